@@ -1,0 +1,101 @@
+"""Build and load the CUDA kernels (csrc/) on first use, through torch's ninja-based JIT.
+
+The build is cached per torch version, CUDA version and GPU architecture (one module name per
+combination), so a second process loads it at once.  ``NVFP4_BACKEND_KERNELS=0`` forces the
+reference path; ``NVFP4_BACKEND_VERBOSE_BUILD=1`` shows the compiler.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import format as fmt
+
+log = logging.getLogger("nvfp4_backend")
+
+KERNEL_SOURCES = ("write_kv.cu", "paged_decode.cu")
+BINDING_SOURCE = "binding.cu"
+MAX_DECODE_ROWS = 64
+"""Query rows (q_len x group size) one decode thread block serves; longer extends take the
+dequantize + dense attention path."""
+
+
+def csrc_dir() -> Path:
+    repo = Path(__file__).resolve().parent.parent / "csrc"
+    if (repo / BINDING_SOURCE).exists():
+        return repo
+    from importlib.resources import files
+    return Path(str(files("nvfp4_backend.csrc")))
+
+
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    major, minor = capability
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
+              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+              "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
+
+
+def module_name(capability: tuple[int, int]) -> str:
+    tv = torch.__version__.split("+")[0].replace(".", "_")
+    cv = (torch.version.cuda or "none").replace(".", "_")
+    return f"nvfp4_backend_C_torch{tv}_cu{cv}_sm{capability[0]}{capability[1]}"
+
+
+@functools.cache
+def _load_for(capability: tuple[int, int]):
+    from torch.utils.cpp_extension import load
+    src = csrc_dir()
+    name = module_name(capability)
+    verbose = os.environ.get("NVFP4_BACKEND_VERBOSE_BUILD") == "1"
+    print(f"[nvfp4-backend] loading CUDA kernels {name} (the first build takes about a minute)...",
+          file=sys.stderr, flush=True)
+    load(name=name, sources=[str(src / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)],
+         extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability), extra_include_paths=[str(src)],
+         is_python_module=False, verbose=verbose)
+    return torch.ops.nvfp4_backend_C
+
+
+def load(device: torch.device | None = None):
+    """The kernel ops namespace (``torch.ops.nvfp4_backend_C``) built for ``device``'s arch."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    return _load_for(torch.cuda.get_device_capability(device))
+
+
+_unavailable: dict[tuple[int, int], str] = {}
+
+
+def kernels_available(device: torch.device) -> bool:
+    """True when the kernels are built (or build now) for ``device``; otherwise warn once."""
+    if os.environ.get("NVFP4_BACKEND_KERNELS", "1") == "0":
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    if cap in _unavailable:
+        return False
+    if cap < (8, 0):
+        _unavailable[cap] = f"compute capability {cap} is below 8.0 (mma.sync bf16 needs SM80+)"
+    else:
+        try:
+            _load_for(cap)
+            return True
+        except Exception as exc:  # the build environment is the user's; say why and fall back
+            _unavailable[cap] = f"{type(exc).__name__}: {exc}"
+    log.warning("nvfp4-backend CUDA kernels unavailable on %s (%s); using the PyTorch reference",
+                device, _unavailable[cap])
+    return False
+
+
+def unavailable_reason(capability: tuple[int, int]) -> str | None:
+    return _unavailable.get(capability)
+
+
+def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:
+    """Whether one decode thread block holds all query rows of a (request, kv head)."""
+    return head_dim in fmt.SUPPORTED_HEAD_DIMS and 0 < max_query_len * group_size <= MAX_DECODE_ROWS

@@ -1,0 +1,233 @@
+"""Public ops: quantize-on-write and paged attention over an NVFP4 cache.
+
+Each is a ``torch.library`` custom op (``torch.ops.nvfp4_backend.*``) with a fake implementation,
+so it traces under ``torch.compile`` and captures in CUDA graphs.  On CUDA tensors the op runs the
+JIT-built kernels (``nvfp4_backend.jit``); elsewhere, or where the kernels cannot serve a shape,
+it runs the reference.  The Python wrappers validate every argument first, so bad input raises
+a ``ValueError``/``TypeError`` naming the argument and nothing is written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import format as fmt
+from . import reference
+from .layout import PagedKVCache
+
+_lib = torch.library.Library("nvfp4_backend", "DEF")
+_lib.define(
+    "write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
+    "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale) -> ()")
+_lib.define(
+    "paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
+    "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+    "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
+    "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace) -> ()")
+
+QUERY_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ============================================================================ validation
+def _check_tensor(name: str, t, dtypes, dim: int | None = None, device: torch.device | None = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the cache's device)")
+
+
+def _check_global_scale(name: str, t, device: torch.device) -> torch.Tensor:
+    if isinstance(t, (int, float)):
+        if not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"{name} must be a positive finite number, got {t}")
+        return torch.tensor(float(t), dtype=torch.float32, device=device)
+    _check_tensor(name, t, (torch.float32,), device=device)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one fp32 value, got shape {tuple(t.shape)}")
+    return t.reshape(())
+
+
+def _check_cache(cache) -> PagedKVCache:
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    cache.validate()
+    return cache
+
+
+# ============================================================================ write
+def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, cache: PagedKVCache,
+             k_global_scale, v_global_scale) -> None:
+    """Quantize ``key``/``value`` [tokens, kv_heads, D] (fp16/bf16) into ``slot_mapping``'s slots.
+
+    Slot s is token s % page_size of page s // page_size; negative slots are skipped (padding).
+    """
+    cache = _check_cache(cache)
+    dev = cache.device
+    _check_tensor("key", key, QUERY_DTYPES, 3, dev)
+    _check_tensor("value", value, (key.dtype,), 3, dev)
+    want = (key.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [tokens, kv_heads, head_dim] = {want}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    _check_tensor("slot_mapping", slot_mapping, (torch.int64, torch.int32), 1, dev)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if dev.type == "cpu" and slot_mapping.numel() and int(slot_mapping.max()) >= cache.num_slots:
+        raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {cache.num_slots} slots")
+    kg = _check_global_scale("k_global_scale", k_global_scale, dev)
+    vg = _check_global_scale("v_global_scale", v_global_scale, dev)
+    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg)
+
+
+def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
+                   k_global_scale, v_global_scale) -> None:
+    from . import jit
+    if key.is_cuda and jit.kernels_available(key.device):
+        jit.load().write_kv(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
+                            k_global_scale, v_global_scale)
+        return
+    cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
+    reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale)
+
+
+_lib.impl("write_kv", _write_kv_impl, "CPU")
+_lib.impl("write_kv", _write_kv_impl, "CUDA")
+
+
+@torch.library.register_fake("nvfp4_backend::write_kv")
+def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
+                   k_global_scale, v_global_scale) -> None:
+    return None
+
+
+# ============================================================================ attention
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Host-side decisions for one step, made once (outside CUDA graphs) by the metadata builder."""
+    num_splits: int
+    workspace_bytes: int
+
+    def allocate_workspace(self, device) -> torch.Tensor:
+        return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)
+
+
+SPLIT_MIN_TOKENS = 256
+"""Shortest KV range worth a thread block of its own."""
+
+
+def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
+                   max_seq_len: int, head_dim: int, num_sms: int = 132) -> AttentionPlan:
+    """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
+
+    The split count is a function of host-known bounds only, so a captured graph stays valid for
+    any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
+    """
+    rows = max_query_len * group_size
+    blocks = max(batch_size * num_kv_heads, 1)
+    splits = max(1, min(math.ceil(2 * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    if splits == 1:
+        return AttentionPlan(1, 0)
+    # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
+    per = rows * (head_dim + 2) * 4
+    return AttentionPlan(splits, batch_size * num_kv_heads * splits * per)
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, k_global_scale, v_global_scale, softmax_scale: float, *,
+                    max_query_len: int | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
+                    workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ragged queries over the paged NVFP4 cache.
+
+    q: [tokens, q_heads, D] fp16/bf16; request b owns rows query_start_loc[b]:query_start_loc[b+1]
+    and sees its first seq_lens[b] cache positions (those rows are the last q_len of them;
+    bottom-right causal mask).  block_table: [batch, max_pages] int32 page indices.
+    Returns ``out`` ([tokens, q_heads, D], q's dtype), allocated when not given.
+    """
+    cache = _check_cache(cache)
+    dev = cache.device
+    _check_tensor("q", q, QUERY_DTYPES, 3, dev)
+    if q.shape[2] != cache.head_dim:
+        raise ValueError(f"q has head_dim {q.shape[2]} but the cache has head_dim {cache.head_dim}")
+    if q.shape[1] % cache.num_kv_heads:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {cache.num_kv_heads} kv heads")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous in its last dimension, got strides {q.stride()}")
+    _check_tensor("block_table", block_table, (torch.int32,), 2, dev)
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    _check_tensor("seq_lens", seq_lens, (torch.int32,), 1, dev)
+    _check_tensor("query_start_loc", query_start_loc, (torch.int32,), 1, dev)
+    batch = seq_lens.shape[0]
+    if query_start_loc.shape[0] != batch + 1:
+        raise ValueError(f"query_start_loc must have batch + 1 = {batch + 1} entries, got {query_start_loc.shape[0]}")
+    if block_table.shape[0] < batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
+    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    if sinks is not None:
+        _check_tensor("sinks", sinks, (torch.float32,), 1, dev)
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks must have one value per q head ({q.shape[1]}), got {sinks.shape[0]}")
+    kg = _check_global_scale("k_global_scale", k_global_scale, dev)
+    vg = _check_global_scale("v_global_scale", v_global_scale, dev)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_tensor("out", out, (q.dtype,), 3, dev)
+        if out.shape != q.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
+    if plan is None:
+        max_seq_len = int(seq_lens.max()) if batch else 0
+        plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
+                              max_seq_len, cache.head_dim)
+    if workspace is None:
+        workspace = plan.allocate_workspace(dev)
+    elif workspace.numel() < plan.workspace_bytes:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
+    torch.ops.nvfp4_backend.paged_attention(
+        out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg, float(softmax_scale),
+        int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len), plan.num_splits,
+        workspace)
+    return out
+
+
+def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
+                          query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
+                          logits_soft_cap, sinks, max_query_len, num_splits, workspace) -> None:
+    from . import jit
+    if q.is_cuda and jit.kernels_available(q.device) and jit.decode_supports(
+            q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]):
+        jit.load().paged_attention(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
+                                   query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
+                                   logits_soft_cap, sinks, max_query_len, num_splits, workspace)
+        return
+    cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
+    res = reference.paged_attention_ref(q, cache, block_table, seq_lens, query_start_loc, k_global_scale,
+                                        v_global_scale, softmax_scale, sliding_window or None,
+                                        logits_soft_cap or None, sinks)
+    out.copy_(res)
+
+
+_lib.impl("paged_attention", _paged_attention_impl, "CPU")
+_lib.impl("paged_attention", _paged_attention_impl, "CUDA")
+
+
+@torch.library.register_fake("nvfp4_backend::paged_attention")
+def _paged_attention_fake(out, q, *args) -> None:
+    return None
