@@ -15,13 +15,19 @@ def compile_check(archs: list[str]) -> int:
     if nvcc is None:
         print("compile-check: nvcc not found on PATH", file=sys.stderr)
         return 2
+    import torch
     from torch.utils.cpp_extension import include_paths
     src = jit.csrc_dir()
+    sources = list(jit.KERNEL_SOURCES)
+    if torch.version.cuda:
+        sources.append(jit.BINDING_SOURCE)
+    else:  # a CPU torch ships no CUDA headers; the binding is arch-independent host code
+        print(f"{jit.BINDING_SOURCE}: skipped (torch {torch.__version__} has no CUDA headers)")
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             cap = (int(arch[:-1]), int(arch[-1]))
-            for name in (*jit.KERNEL_SOURCES, jit.BINDING_SOURCE):
+            for name in sources:
                 cmd = [nvcc, "-c", str(src / name), "-o", f"{tmp}/{name}.{arch}.o", *jit.NVCC_FLAGS,
                        *jit.arch_flags(cap), f"-I{src}", "-Xptxas=-warn-spills", "--compiler-options", "-fPIC"]
                 if name == jit.BINDING_SOURCE:

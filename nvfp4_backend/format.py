@@ -134,12 +134,15 @@ def _as_fp32_scalar(global_scale: torch.Tensor | float, device: torch.device) ->
 def quantize(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] fp16/bf16/fp32 -> (packed [..., D/2] uint8, block scales [..., D/16] uint8)."""
     check_head_dim(x.shape[-1], "x.shape[-1]")
-    enc = 1.0 / _as_fp32_scalar(global_scale, x.device)
+    # Tensor-by-tensor divisions only: torch turns a division by a Python scalar into a multiply by
+    # its reciprocal on some devices, which would round differently from the kernel.
+    g = _as_fp32_scalar(global_scale, x.device)
+    enc = torch.ones_like(g) / g
     blocks = (x.float() * enc).unflatten(-1, (-1, BLOCK_SIZE))
     amax = blocks.abs().amax(-1)  # NaN propagates
-    sf = e4m3_encode(amax / E2M1_MAX)
+    sf = e4m3_encode(amax / torch.full_like(amax, E2M1_MAX))
     sf_value = e4m3_decode(sf)
-    inv = torch.where(sf_value > 0, 1.0 / sf_value, torch.zeros_like(sf_value))
+    inv = torch.where(sf_value > 0, torch.ones_like(sf_value) / sf_value, torch.zeros_like(sf_value))
     codes = e2m1_encode(blocks * inv.unsqueeze(-1))
     codes = torch.where((sf == E4M3_NAN_BYTE).unsqueeze(-1), torch.zeros_like(codes), codes)
     return pack_fp4(codes.flatten(-2)), sf

@@ -112,6 +112,9 @@ class PagedKVCache:
             raise TypeError(f"pages must be uint8, got {pages.dtype}")
         side = page_size * num_kv_heads * fmt.bytes_per_token_head(head_dim)
         page_bytes = pages[0].numel() if pages.shape[0] else 2 * side
+        if pages.shape[0] and not pages[0].is_contiguous():
+            raise ValueError(f"pages must hold each page's bytes densely, got shape {tuple(pages.shape)} "
+                             f"with strides {pages.stride()}")
         if page_bytes != 2 * side:
             raise ValueError(f"pages hold {page_bytes} bytes per page, expected 2 * {side} for "
                              f"page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}")
@@ -140,6 +143,8 @@ class PagedKVCache:
         out = []
         for name, t in (("k_data", k_data), ("k_block_scales", k_block_scales),
                         ("v_data", v_data), ("v_block_scales", v_block_scales)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dtype == torch.float8_e4m3fn:
                 t = t.view(torch.uint8)
             if t.dim() != 3:

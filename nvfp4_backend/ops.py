@@ -91,8 +91,8 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
                    k_global_scale, v_global_scale) -> None:
     from . import jit
     if key.is_cuda and jit.kernels_available(key.device):
-        jit.load().write_kv(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                            k_global_scale, v_global_scale)
+        jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
+                                      v_block_scales, k_global_scale, v_global_scale)
         return
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
     reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale)
@@ -213,15 +213,48 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
     from . import jit
     if q.is_cuda and jit.kernels_available(q.device) and jit.decode_supports(
             q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]):
-        jit.load().paged_attention(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
+        jit.load(q.device).paged_attention(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                                    query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                                    logits_soft_cap, sinks, max_query_len, num_splits, workspace)
         return
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
-    res = reference.paged_attention_ref(q, cache, block_table, seq_lens, query_start_loc, k_global_scale,
-                                        v_global_scale, softmax_scale, sliding_window or None,
-                                        logits_soft_cap or None, sinks)
-    out.copy_(res)
+    args = (q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale, softmax_scale,
+            sliding_window or None, logits_soft_cap or None, sinks)
+    res = extend_attention(*args) if q.is_cuda else reference.paged_attention_ref(*args)
+    # rows that belong to no request are left as they were, as the kernel leaves them
+    first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+    out[first:last].copy_(res[first:last])
+
+
+EXTEND_CHUNK_TOKENS = 4096
+"""Query rows per dense step of the extend path: bounds its score buffer."""
+
+
+def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale,
+                     softmax_scale, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
+    """Long extends (prefill, chunked prefill) on a GPU: per request, dequantize its pages into
+    a dense K/V workspace once, then dense attention over query chunks (the reference math, in fp32,
+    with the score buffer bounded by EXTEND_CHUNK_TOKENS rows).  Prefill is compute-bound, so
+    reading the NVFP4 pages once per request and layer is not the cost that matters here.
+    """
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_begin, q_end = qsl[b], qsl[b + 1]
+        if q_end <= q_begin:
+            continue
+        k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], k_global_scale,
+                                       v_global_scale)
+        for start in range(q_begin, q_end, EXTEND_CHUNK_TOKENS):
+            stop = min(start + EXTEND_CHUNK_TOKENS, q_end)
+            # rows start..stop are the last (q_end - start) positions of a shorter virtual request
+            visible = seq_len - (q_end - stop)
+            loc = torch.tensor([0, stop - start], dtype=torch.int32, device=q.device)
+            out[start:stop] = reference.attention_ref(
+                q[start:stop], k[:, :visible], v[:, :visible], seq_lens.new_tensor([visible]), loc, softmax_scale,
+                sliding_window, logits_soft_cap, sinks)
+    return out
 
 
 _lib.impl("paged_attention", _paged_attention_impl, "CPU")

@@ -12,8 +12,12 @@ from .layout import PagedKVCache
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, cache: PagedKVCache,
                  k_global_scale: torch.Tensor, v_global_scale: torch.Tensor) -> None:
-    """Quantize K/V ``[tokens, kv_heads, D]`` into the cache slots; negative slots are skipped."""
-    keep = slot_mapping >= 0
+    """Quantize K/V ``[tokens, kv_heads, D]`` into the cache slots.
+
+    Slots < 0 (padding) and >= num_slots are skipped: on a GPU nothing can check them without a
+    host sync, so the kernel skips them too (the ops wrapper rejects them on CPU).
+    """
+    keep = (slot_mapping >= 0) & (slot_mapping < cache.num_slots)
     slots = slot_mapping[keep].long()
     page, offset = slots // cache.page_size, slots % cache.page_size
     for x, g, data, scales in ((key, k_global_scale, cache.k_data, cache.k_block_scales),
@@ -27,6 +31,7 @@ def gather_kv_ref(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torc
                   k_global_scale, v_global_scale, dtype: torch.dtype = torch.float32):
     """Dequantized K and V ``[batch, max_seq_len, kv_heads, D]``; positions >= seq_len are 0."""
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    block_table = block_table[: seq_lens.shape[0]]  # CUDA-graph padding may add rows past the batch
     pos = torch.arange(max_len, device=cache.device)
     max_pages = block_table.shape[1]
     page_col = (pos // cache.page_size).clamp(max=max(max_pages - 1, 0))

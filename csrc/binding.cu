@@ -1,0 +1,160 @@
+// torch.library bindings: tensors -> params structs -> launchers.  Nothing numeric lives here.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+#include "nvfp4_kernels.h"
+
+namespace {
+
+using at::Tensor;
+
+nvfp4::QueryType query_type(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name,
+              " must be float16 or bfloat16, got ", t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? nvfp4::QueryType::kBFloat16 : nvfp4::QueryType::kFloat16;
+}
+
+nvfp4::PageStrides strides_of(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
+                 const at::Device& device) {
+  for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
+    TORCH_CHECK(t->device() == device, "cache tensors must be on ", device, ", got ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
+                "cache tensors must be 4-D uint8 with a contiguous last dimension");
+  }
+  TORCH_CHECK(k_data.strides() == v_data.strides(), "k_data and v_data must have identical strides");
+  TORCH_CHECK(k_sf.strides() == v_sf.strides(), "k_block_scales and v_block_scales must have identical strides");
+  const int64_t scale_bytes = k_sf.size(3);
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(k_data.stride(d) % 16 == 0, "k_data strides must be multiples of 16 bytes, got ", k_data.strides());
+    TORCH_CHECK(k_sf.stride(d) % scale_bytes == 0, "block-scale strides must be multiples of ", scale_bytes,
+                " bytes, got ", k_sf.strides());
+  }
+  for (const Tensor* t : {&k_data, &v_data})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "cache data must be 16-byte aligned");
+  for (const Tensor* t : {&k_sf, &v_sf})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0, "block scales must be ",
+                scale_bytes, "-byte aligned");
+}
+
+int log2_exact(int64_t x, const char* name) {
+  int l = 0;
+  while ((int64_t(1) << l) < x) ++l;
+  TORCH_CHECK((int64_t(1) << l) == x, name, " must be a power of two, got ", x);
+  return l;
+}
+
+void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping, Tensor& k_data, Tensor& k_sf,
+              Tensor& v_data, Tensor& v_sf, const Tensor& k_global, const Tensor& v_global) {
+  const c10::cuda::CUDAGuard guard(key.device());
+  check_cache(k_data, k_sf, v_data, v_sf, key.device());
+  TORCH_CHECK(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
+              "key and value must have the same shape, strides and dtype");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(0) % 8 == 0 && key.stride(1) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
+              "key/value must be [tokens, heads, head_dim], 16-byte aligned, strides multiples of 8");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 tensor");
+  nvfp4::WriteKVParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.kv_stride_token = key.stride(0);
+  p.kv_stride_head = key.stride(1);
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.k_data = k_data.data_ptr<uint8_t>();
+  p.v_data = v_data.data_ptr<uint8_t>();
+  p.k_block_scales = k_sf.data_ptr<uint8_t>();
+  p.v_block_scales = v_sf.data_ptr<uint8_t>();
+  p.data_strides = strides_of(k_data);
+  p.scale_strides = strides_of(k_sf);
+  p.k_global_scale = k_global.data_ptr<float>();
+  p.v_global_scale = v_global.data_ptr<float>();
+  p.num_tokens = key.size(0);
+  p.num_kv_heads = key.size(1);
+  p.head_dim = key.size(2);
+  p.page_size = k_data.size(1);
+  p.num_slots = k_data.size(0) * k_data.size(1);
+  p.dtype = query_type(key, "key");
+  const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
+}
+
+void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
+                     const Tensor& v_sf, const Tensor& block_table, const Tensor& seq_lens,
+                     const Tensor& query_start_loc, const Tensor& k_global, const Tensor& v_global,
+                     double softmax_scale, int64_t sliding_window, double logits_soft_cap,
+                     const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_cache(k_data, k_sf, v_data, v_sf, q.device());
+  const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
+  const int64_t batch = seq_lens.size(0), max_rows = max_query_len * group;
+  TORCH_CHECK(max_rows > 0 && max_rows <= nvfp4::decode_max_rows(head_dim), "max_query_len * group_size = ",
+              max_rows, " exceeds the decode kernel's ", nvfp4::decode_max_rows(head_dim), " rows at head_dim ",
+              head_dim);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous() && block_table.stride(1) == 1,
+              "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
+  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1");
+  const int64_t partial_floats = batch * num_kv_heads * num_splits * max_rows;
+  if (num_splits > 1)
+    TORCH_CHECK(workspace.numel() >= partial_floats * (head_dim + 2) * 4, "workspace too small: ",
+                workspace.numel(), " bytes, need ", partial_floats * (head_dim + 2) * 4);
+  nvfp4::DecodeParams p{};
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.k_data = k_data.data_ptr<uint8_t>();
+  p.v_data = v_data.data_ptr<uint8_t>();
+  p.k_block_scales = k_sf.data_ptr<uint8_t>();
+  p.v_block_scales = v_sf.data_ptr<uint8_t>();
+  p.data_strides = strides_of(k_data);
+  p.scale_strides = strides_of(k_sf);
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.query_start_loc = query_start_loc.data_ptr<int>();
+  p.k_global_scale = k_global.data_ptr<float>();
+  p.v_global_scale = v_global.data_ptr<float>();
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  float* ws = reinterpret_cast<float*>(workspace.data_ptr());
+  p.partial_out = ws;
+  p.partial_max = ws + partial_floats * head_dim;
+  p.partial_sum = p.partial_max + partial_floats;
+  p.softmax_scale = softmax_scale;
+  p.logits_soft_cap = logits_soft_cap;
+  p.sliding_window = sliding_window;
+  p.batch = batch;
+  p.num_kv_heads = num_kv_heads;
+  p.group_size = group;
+  p.head_dim = head_dim;
+  p.page_size_log2 = log2_exact(k_data.size(1), "page_size");
+  p.num_splits = num_splits;
+  p.max_rows = max_rows;
+  p.dtype = query_type(q, "q");
+  if (batch == 0) return;
+  const cudaError_t err = nvfp4::launch_paged_decode(p, c10::cuda::getCurrentCUDAStream(q.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "nvfp4 paged_attention launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nvfp4_backend_C, m) {
+  m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
+        "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
+        "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+        "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
+        "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {
+  m.impl("write_kv", &write_kv);
+  m.impl("paged_attention", &paged_attention);
+}

@@ -1,0 +1,521 @@
+// Paged NVFP4 attention for decode / spec-decode / short extends.  Included by the
+// paged_decode_hd*.cu files, one per head dim, so ninja builds them in parallel.
+//
+// Design (see DESIGN.md "Facts for the decode kernel"):
+//  * grid (num_splits, num_kv_heads, batch): one thread block streams one split of one request's
+//    KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so every
+//    K/V byte is read from memory once per step.
+//  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
+//    into shared memory; page indices are prefetched one stage ahead.
+//  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
+//    O^T = V^T P^T, both mma.sync m16n8k16 with fp32 accumulation (SM80..SM120).  The S^T
+//    accumulator is turned into the P^T operand with movmatrix.trans, no shared memory.
+//  * dequantization in registers: a nibble's magnitude bits are placed in the exponent/mantissa
+//    of an fp16/bf16 (value * 2^-14 or 2^-126, exact, subnormal for codes 0 and 0.5), then one
+//    packed multiply by (block scale * 2^7 or 2^119) gives value * scale * 2^-7 EXACTLY (at most
+//    6 significant bits, in the normal range).  The 2^7 and the global scales fold into the fp32
+//    softmax scale and output scale.
+//  * the MMA K-dimension (head dim for QK, tokens for PV) may be permuted freely as long as both
+//    operands agree; the permutations below make every shared-memory read a single 4/8/16-byte
+//    load and every unpack a few LOP/PRMT/shift instructions.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "nvfp4_kernels.h"
+
+namespace nvfp4 {
+namespace decode {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileTokens = 64;          // tokens per pipeline stage
+constexpr int kStages = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
+
+template <typename T> struct TypeTraits;
+template <> struct TypeTraits<__half> {
+  static constexpr int kUnpackShift = 3;            // magnitude bits -> fp16 bits 9..11
+  static constexpr float kScaleBias = 128.0f;        // 2^-14 * 2^7 = 2^-7
+  using T2 = __half2;
+  __device__ static uint32_t scale2(float s) {
+    __half2 h = __float2half2_rn(s * kScaleBias);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t pack_scales(float lo, float hi) { return pack(lo * kScaleBias, hi * kScaleBias); }
+  __device__ static void store(__half* dst, float x) { *dst = __float2half_rn(x); }
+};
+template <> struct TypeTraits<__nv_bfloat16> {
+  static constexpr int kUnpackShift = 6;            // magnitude bits -> bf16 bits 6..8
+  static constexpr float kScaleBias = 6.6461399789245794e35f;  // 2^119: 2^-126 * 2^119 = 2^-7
+  using T2 = __nv_bfloat162;
+  __device__ static uint32_t scale2(float s) {
+    __nv_bfloat162 h = __float2bfloat162_rn(s * kScaleBias);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ static uint32_t pack_scales(float lo, float hi) { return pack(lo * kScaleBias, hi * kScaleBias); }
+  __device__ static void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
+};
+
+// ------------------------------------------------------------------ PTX wrappers
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  const int src_bytes = valid ? kBytes : 0;  // 0: zero-fill, read nothing
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(kBytes),
+                 "r"(src_bytes));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (sizeof(T) == 2 && TypeTraits<T>::kUnpackShift == 6) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  using T2 = typename TypeTraits<T>::T2;
+  T2 r = __hmul2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// E4M3 byte -> fp32, exact, portable (no FP8 conversion instruction before SM89).
+__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
+  const uint32_t mag = byte & 0x7Fu;
+  // eeee.mmm into the low exponent / top mantissa bits of an fp32: value * 2^-120 (subnormal too)
+  float v = __uint_as_float(mag << 20) * 1.329227995784916e36f;  // * 2^120
+  v = (mag == 0x7Fu) ? __uint_as_float(0x7FC00000u) : v;
+  return (byte & 0x80u) ? -v : v;
+}
+
+// Four fp16/bf16 pairs from the 8 nibbles of a word: (n3,n7), (n2,n6), (n1,n5), (n0,n4).
+template <typename T>
+__device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
+  constexpr int kShift = TypeTraits<T>::kUnpackShift;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    pairs[j] = (q & 0x80008000u) | ((q & 0x70007000u) >> kShift);
+    q <<= 4;
+  }
+}
+// Element (within the word) of each pair's low half, in unpack_word order; the high half is +4.
+__device__ __forceinline__ constexpr int pair_element(int j) { return 3 - j; }
+
+// ------------------------------------------------------------------ configuration
+template <int kHeadDim, int kRowTiles, int kRowWarps>
+struct Config {
+  static constexpr int kDataBytes = kHeadDim / 2;       // per token-head
+  static constexpr int kScaleBytes = kHeadDim / 16;
+  static constexpr int kTokenWarps = kWarps / kRowWarps;
+  static constexpr int kRowsPerWarp = kRowTiles * 8;
+  static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
+  static constexpr int kKSteps = kHeadDim / 16;          // QK k-steps over the head dim
+  static constexpr int kDTiles = kHeadDim / 16;          // PV m-tiles over the head dim
+  static constexpr int kKChunk = kDataBytes / 4;         // K bytes per thread per token
+  static constexpr int kVChunk = kDataBytes / 8;         // V bytes per thread per token
+  // data rows are padded by 32 bytes every 4 rows so the V reads of a warp (4 rows, 4 apart)
+  // fall in different banks
+  static constexpr int kRowPad = 32;
+  static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * kRowPad; }
+  static constexpr int kDataStage = data_offset(kTileTokens);
+  static constexpr int kScaleStage = kTileTokens * kScaleBytes;
+  static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
+  static constexpr int kPipelineBytes = kStages * kStageBytes;
+  static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
+  static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
+  static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
+  static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
+};
+
+// Token within a 16-token MMA tile held at MMA row m: rows (2c, 2c+1, 2c+8, 2c+9) are the
+// 4 consecutive tokens 4c..4c+3, so the PV operand of thread c reads 4 adjacent rows.
+__device__ __forceinline__ int tile_token(int m) { return 4 * ((m & 7) >> 1) + (m & 1) + ((m >> 3) << 1); }
+
+// ------------------------------------------------------------------ the kernel
+template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
+__global__ void __launch_bounds__(kThreads)
+paged_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using C = Config<kHeadDim, kRowTiles, kRowWarps>;
+  using TT = TypeTraits<T>;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, c = lane & 3;  // MMA group id / thread-in-group
+  const int row_warp = warp / C::kTokenWarps, token_warp = warp % C::kTokenWarps;
+
+  const int q_start = p.query_start_loc[req];
+  const int q_len = p.query_start_loc[req + 1] - q_start;
+  const int rows = q_len * p.group_size;
+  if (q_len <= 0) return;
+  const int seq_len = p.seq_lens[req];
+  // positions visible to the first query row bound the range every row may need
+  int kv_begin = 0;
+  if (p.sliding_window > 0) kv_begin = max(0, seq_len - q_len - p.sliding_window + 1);
+  const int kv_len = max(seq_len - kv_begin, 0);
+  const int split_len = (kv_len + p.num_splits - 1) / p.num_splits;
+  const int begin = kv_begin + split * split_len;
+  const int end = min(begin + split_len, seq_len);
+  const int num_tiles = end > begin ? (end - begin + kTileTokens - 1) / kTileTokens : 0;
+
+  const float qk_scale = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias;
+
+  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
+  uint32_t q_frag[kRowTiles][C::kKSteps][2];
+  int row_pos[kRowTiles][2];  // cache position of query rows 2c, 2c+1 (or -1: no such row)
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+    const int row = (row_warp * kRowTiles + t) * 8 + g;
+    const bool live = row < rows;
+    const T* qrow = static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
+                    (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head;
+    const unsigned short* qbits = reinterpret_cast<const unsigned short*>(qrow);
+#pragma unroll
+    for (int s = 0; s < C::kKSteps; ++s) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // k-step s, slot half: pair j of word s/2 of this thread's K chunk
+        const int j = (s & 1) * 2 + half;
+        const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element(j);
+        const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
+        q_frag[t][s][half] = lo | (hi << 16);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
+      row_pos[t][i] = r < rows ? seq_len - q_len + r / p.group_size : -1;
+    }
+  }
+
+  // ---------------- pipeline: thread -> (token, half) of each stage
+  const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
+  const int page_mask = (1 << p.page_size_log2) - 1;
+  const int* table = p.block_table + (int64_t)req * p.block_table_stride;
+  auto page_of = [&](int tile) -> int {
+    const int pos = begin + tile * kTileTokens + load_token;
+    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+  };
+  int next_page = page_of(0);
+  auto issue = [&](int tile) {
+    if (tile < num_tiles) {
+      const int page = next_page;
+      next_page = page_of(tile + 1);
+      const int pos = begin + tile * kTileTokens + load_token;
+      const bool valid = page >= 0;
+      const int64_t off = valid ? (int64_t)page * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
+                                      (int64_t)kv_head * p.data_strides.head : 0;
+      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
+                                       (int64_t)kv_head * p.scale_strides.head : 0;
+      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+      constexpr int kHalf = C::kDataBytes / 2;
+      const int dst = C::data_offset(load_token) + load_half * kHalf;
+#pragma unroll
+      for (int b = 0; b < kHalf; b += 16) {
+        cp_async<16>(stage + dst + b, p.k_data + off + load_half * kHalf + b, valid);
+        cp_async<16>(stage + C::kDataStage + dst + b, p.v_data + off + load_half * kHalf + b, valid);
+      }
+      uint8_t* sdst = stage + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
+      cp_async<C::kScaleBytes>(sdst, (load_half ? p.v_block_scales : p.k_block_scales) + soff, valid);
+    }
+    cp_async_commit();
+  };
+
+  // ---------------- running softmax state of this thread's rows (2c, 2c+1 of each row tile)
+  float o_acc[kRowTiles][C::kDTiles][4];
+  float row_max[kRowTiles][2], row_sum[kRowTiles][2];
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) row_max[t][i] = -INFINITY, row_sum[t][i] = 0.f;
+#pragma unroll
+    for (int d = 0; d < C::kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o_acc[t][d][i] = 0.f;
+  }
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue(tile + kStages - 1);
+    const uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+    const uint8_t* k_data = stage;
+    const uint8_t* v_data = stage + C::kDataStage;
+    const uint8_t* k_scales = stage + 2 * C::kDataStage;
+    const uint8_t* v_scales = k_scales + C::kScaleStage;
+
+#pragma unroll
+    for (int sub = token_warp; sub < kTileTokens / 16; sub += C::kTokenWarps) {
+      const int tok0 = sub * 16;
+      const int pos0 = begin + tile * kTileTokens + tok0;
+      // ---- S^T = K Q^T
+      float s_acc[kRowTiles][4];
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s_acc[t][i] = 0.f;
+      const int ka = tok0 + tile_token(g), kb = tok0 + tile_token(g + 8);
+      uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
+#pragma unroll
+      for (int w = 0; w < C::kKChunk / 4; w += 2) {
+        *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(ka) + c * C::kKChunk + 4 * w);
+        *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(kb) + c * C::kKChunk + 4 * w);
+      }
+#pragma unroll
+      for (int blk = 0; blk < C::kKChunk / 8; ++blk) {  // one E4M3 scale per 8 bytes
+        const int sidx = c * (C::kKChunk / 8) + blk;
+        const uint32_t sa = TT::scale2(e4m3_to_float(k_scales[ka * C::kScaleBytes + sidx]));
+        const uint32_t sb = TT::scale2(e4m3_to_float(k_scales[kb * C::kScaleBytes + sidx]));
+#pragma unroll
+        for (int w2 = 0; w2 < 2; ++w2) {
+          const int w = blk * 2 + w2;
+          uint32_t pa[4], pb[4];
+          unpack_word<T>(kwa[w], pa);
+          unpack_word<T>(kwb[w], pb);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // two k-steps per word
+            const int s = 2 * w + h;
+            const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
+                                   mul2<T>(pb[2 * h + 1], sb)};
+#pragma unroll
+            for (int t = 0; t < kRowTiles; ++t) mma<T>(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+          }
+        }
+      }
+      // ---- online softmax over this 16-token tile
+      uint32_t p_frag[kRowTiles][2];
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t) {
+        float x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int pos = pos0 + (i < 2 ? tile_token(g) : tile_token(g + 8));
+          const int qpos = row_pos[t][i & 1];
+          float v = s_acc[t][i] * qk_scale;
+          if (p.logits_soft_cap > 0.f) v = p.logits_soft_cap * tanhf(v / p.logits_soft_cap);
+          bool ok = pos < end && pos <= qpos;
+          if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
+          x[i] = ok ? v * kLog2e : -INFINITY;
+        }
+        float p_val[4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float m = fmaxf(x[i], x[i + 2]);
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+          const float m_new = fmaxf(row_max[t][i], m);
+          const float base = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha = exp2f(row_max[t][i] - base);
+          row_max[t][i] = m_new;
+          p_val[i] = exp2f(x[i] - base);
+          p_val[i + 2] = exp2f(x[i + 2] - base);
+          row_sum[t][i] = row_sum[t][i] * alpha + p_val[i] + p_val[i + 2];
+#pragma unroll
+          for (int d = 0; d < C::kDTiles; ++d) {
+            o_acc[t][d][i] *= alpha;
+            o_acc[t][d][i + 2] *= alpha;
+          }
+        }
+        // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
+        p_frag[t][0] = transpose8x8(TT::pack(p_val[0], p_val[1]));
+        p_frag[t][1] = transpose8x8(TT::pack(p_val[2], p_val[3]));
+      }
+      // ---- O^T += V^T P^T; thread c holds tokens 4c..4c+3, head-dim bytes [g*kVChunk, +kVChunk)
+      const int v0 = tok0 + 4 * c;
+      uint32_t vw[4][C::kVChunk / 4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t* src = v_data + C::data_offset(v0 + r) + g * C::kVChunk;
+        if constexpr (C::kVChunk == 4) vw[r][0] = *reinterpret_cast<const uint32_t*>(src);
+        if constexpr (C::kVChunk == 8) *reinterpret_cast<uint2*>(vw[r]) = *reinterpret_cast<const uint2*>(src);
+        if constexpr (C::kVChunk == 16) *reinterpret_cast<uint4*>(vw[r]) = *reinterpret_cast<const uint4*>(src);
+      }
+#pragma unroll
+      for (int w = 0; w < C::kVChunk / 4; ++w) {
+        const int sidx = (g * C::kVChunk + 4 * w) / 8;  // 8 bytes per block scale
+        float sv[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sv[r] = e4m3_to_float(v_scales[(v0 + r) * C::kScaleBytes + sidx]);
+        const uint32_t s01 = TT::pack_scales(sv[0], sv[1]), s23 = TT::pack_scales(sv[2], sv[3]);
+        // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
+        uint32_t p01[8], p23[8];
+        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
+        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
+        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
+        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles of this word (2 head-dim rows each)
+          const int d = w * 4 + q;
+          const uint32_t a[4] = {mul2<T>(p01[2 * q], s01), mul2<T>(p01[2 * q + 1], s01), mul2<T>(p23[2 * q], s23),
+                                 mul2<T>(p23[2 * q + 1], s23)};
+#pragma unroll
+          for (int t = 0; t < kRowTiles; ++t) mma<T>(o_acc[t][d], a, p_frag[t][0], p_frag[t][1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers become the merge buffers
+
+  // ---------------- finish this warp's rows: full row sums, then merge the token warps
+  float* merge_out = reinterpret_cast<float*>(smem);                      // [warps][rows][D]
+  float* merge_ml = merge_out + C::kTokenWarps * C::kMaxRows * kHeadDim;  // [warps][rows][2]
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float l = row_sum[t][i];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      const int row = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
+      float* out_row = merge_out + (token_warp * C::kMaxRows + row) * kHeadDim;
+#pragma unroll
+      for (int d = 0; d < C::kDTiles; ++d) {
+        // m-tile d = word d/4, pair (d%4): rows g and g+8 are elements pair_element(2q), +4 ...
+        const int w = d / 4, q = d % 4;
+        const int base = g * (kHeadDim / 8) + 8 * w;
+        const int e0 = (2 * q) < 4 ? pair_element(2 * q) : pair_element(2 * q - 4) + 4;
+        const int e1 = (2 * q + 1) < 4 ? pair_element(2 * q + 1) : pair_element(2 * q + 1 - 4) + 4;
+        out_row[base + e0] = o_acc[t][d][i];
+        out_row[base + e1] = o_acc[t][d][i + 2];
+      }
+      if (g == 0) {
+        merge_ml[(token_warp * C::kMaxRows + row) * 2 + 0] = row_max[t][i];
+        merge_ml[(token_warp * C::kMaxRows + row) * 2 + 1] = l;
+      }
+    }
+  }
+  __syncthreads();
+
+  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
+  const int64_t part = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits + split;
+  for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
+    const int row = idx / kHeadDim, d = idx % kHeadDim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kTokenWarps; ++w) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float o = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < C::kTokenWarps; ++w) {
+      const float f = exp2f(merge_ml[(w * C::kMaxRows + row) * 2] - base);
+      o += f * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
+      l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
+    }
+    if (p.num_splits > 1) {
+      p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = o;
+      if (d == 0) {
+        p.partial_max[part * p.max_rows + row] = m;
+        p.partial_sum[part * p.max_rows + row] = l;
+      }
+      continue;
+    }
+    const int head = kv_head * p.group_size + row % p.group_size;
+    if (p.sinks != nullptr) {
+      const float sink = __ldg(p.sinks + head) * kLog2e;
+      const float m2 = fmaxf(m, sink);
+      const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
+      o *= f;
+      l = l * f + exp2f(sink - m2);
+    }
+    T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+             (int64_t)head * p.out_stride_head + d;
+    TT::store(dst, l > 0.f ? o * (v_scale / l) : 0.f);
+  }
+}
+
+// Combine the splits of each (request, kv head): fixed order over splits, so run-to-run identical.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
+  const int kv_head = blockIdx.y, req = blockIdx.z;
+  const int q_start = p.query_start_loc[req];
+  const int rows = (p.query_start_loc[req + 1] - q_start) * p.group_size;
+  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
+  const int64_t part0 = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits;
+  for (int idx = blockIdx.x * kThreads + threadIdx.x; idx < rows * kHeadDim; idx += gridDim.x * kThreads) {
+    const int row = idx / kHeadDim, d = idx % kHeadDim;
+    const int head = kv_head * p.group_size + row % p.group_size;
+    float m = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
+    for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.partial_max[(part0 + s) * p.max_rows + row]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float o = 0.f, l = p.sinks != nullptr ? exp2f(__ldg(p.sinks + head) * kLog2e - base) : 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float f = exp2f(p.partial_max[(part0 + s) * p.max_rows + row] - base);
+      o += f * p.partial_out[((part0 + s) * p.max_rows + row) * kHeadDim + d];
+      l += f * p.partial_sum[(part0 + s) * p.max_rows + row];
+    }
+    T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+             (int64_t)head * p.out_stride_head + d;
+    TypeTraits<T>::store(dst, l > 0.f ? o * (v_scale / l) : 0.f);
+  }
+}
+
+template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
+cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
+  using C = Config<kHeadDim, kRowTiles, kRowWarps>;
+  auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.num_splits, p.num_kv_heads, p.batch);
+  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
+  const int per_head = p.max_rows * kHeadDim;
+  merge_splits_kernel<T, kHeadDim><<<dim3((per_head + kThreads - 1) / kThreads, p.num_kv_heads, p.batch), kThreads, 0,
+                                     stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Row capacity configurations: (row tiles per warp, row warps); the first that fits max_rows.
+template <typename T, int kHeadDim>
+cudaError_t launch_for_rows(const DecodeParams& p, cudaStream_t stream) {
+  if (p.max_rows <= 8) return launch<T, kHeadDim, 1, 1>(p, stream);
+  if constexpr (kHeadDim <= 128) {
+    if (p.max_rows <= 16) return launch<T, kHeadDim, 2, 1>(p, stream);
+    if (p.max_rows <= 32) return launch<T, kHeadDim, 2, 2>(p, stream);
+    if (p.max_rows <= 64) return launch<T, kHeadDim, 2, 4>(p, stream);
+  } else {
+    if (p.max_rows <= 16) return launch<T, kHeadDim, 1, 2>(p, stream);
+    if (p.max_rows <= 32) return launch<T, kHeadDim, 1, 4>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace decode
+}  // namespace nvfp4

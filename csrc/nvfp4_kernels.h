@@ -1,0 +1,58 @@
+// nvfp4-backend kernel interface: params structs and launchers.  No torch includes here, so the
+// kernels compile fast and for any arch; binding.cu converts tensors into these structs.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace nvfp4 {
+
+enum class QueryType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Strides, in bytes, of one strided view [num_pages, page_size, num_kv_heads, bytes].
+struct PageStrides {
+  int64_t page, token, head;
+};
+
+//! \brief Quantize-on-write: K/V [num_tokens, num_kv_heads, head_dim] -> NVFP4 pages.
+struct WriteKVParams {
+  const void* key;    // [num_tokens, num_kv_heads, head_dim] fp16/bf16, last dim contiguous
+  const void* value;  // same shape and strides as key
+  int64_t kv_stride_token, kv_stride_head;     // elements
+  const int64_t* slot_mapping;                 // [num_tokens]; slot < 0 or >= num_slots: skipped
+  uint8_t* k_data;  uint8_t* v_data;           // [pages, page_size, heads, head_dim/2]  E2M1x2
+  uint8_t* k_block_scales; uint8_t* v_block_scales;  // [pages, page_size, heads, head_dim/16] E4M3
+  PageStrides data_strides, scale_strides;     // shared by K and V (checked by the binding)
+  const float* k_global_scale; const float* v_global_scale;  // device fp32 dequant multipliers
+  int num_tokens, num_kv_heads, head_dim, page_size;
+  int64_t num_slots;
+  QueryType dtype;
+};
+
+//! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).
+struct DecodeParams {
+  const void* q;  void* out;                   // [num_tokens, num_q_heads, head_dim] fp16/bf16
+  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;   // elements
+  const uint8_t* k_data; const uint8_t* v_data;
+  const uint8_t* k_block_scales; const uint8_t* v_block_scales;
+  PageStrides data_strides, scale_strides;
+  const int* block_table; int64_t block_table_stride;   // [batch, max_pages] page indices
+  const int* seq_lens;                                  // [batch] cache positions per request
+  const int* query_start_loc;                           // [batch + 1]
+  const float* k_global_scale; const float* v_global_scale;
+  const float* sinks;                                   // [num_q_heads] logits, or nullptr
+  float* partial_out;   // [batch, kv_heads, num_splits, max_rows, head_dim] fp32 (num_splits > 1)
+  float* partial_max;   // [batch, kv_heads, num_splits, max_rows] running max, log2 units
+  float* partial_sum;   // [batch, kv_heads, num_splits, max_rows]
+  float softmax_scale, logits_soft_cap;                 // soft cap 0 = off
+  int sliding_window;                                   // 0 = off; else visible tokens incl. own
+  int batch, num_kv_heads, group_size, head_dim, page_size_log2, num_splits;
+  int max_rows;                                         // max_query_len * group_size
+  QueryType dtype;
+};
+
+cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
+//! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
+int decode_max_rows(int head_dim);
+
+}  // namespace nvfp4

@@ -1,0 +1,26 @@
+// Head-dim dispatch for the decode kernel: the one table of supported head dims and row limits.
+#include "nvfp4_kernels.h"
+
+namespace nvfp4 {
+cudaError_t launch_paged_decode_hd64(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_hd128(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_paged_decode_hd256(const DecodeParams& p, cudaStream_t stream);
+
+int decode_max_rows(int head_dim) {
+  switch (head_dim) {
+    case 64: case 128: return 64;
+    case 256: return 32;
+    default: return 0;
+  }
+}
+
+cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.max_rows <= 0 || p.max_rows > decode_max_rows(p.head_dim)) return cudaErrorInvalidValue;
+  switch (p.head_dim) {
+    case 64: return launch_paged_decode_hd64(p, stream);
+    case 128: return launch_paged_decode_hd128(p, stream);
+    case 256: return launch_paged_decode_hd256(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+}  // namespace nvfp4

@@ -1,0 +1,97 @@
+// Quantize-on-write.  One thread per 16-element block of one token-head of K or V: it reads
+// 32 contiguous bytes, computes the block scale and the 16 codes, and writes 8 + 1 bytes.
+// The fp32 operations and their order are the ones nvfp4_backend/format.py documents; the
+// __f*_rn intrinsics keep nvcc from contracting or approximating them, so the result is
+// bit-identical to the reference.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include "nvfp4_kernels.h"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kBlock = 16;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round-to-nearest-even onto the E2M1 magnitudes, saturating at 6; ties go to the even code.
+__device__ __forceinline__ uint32_t e2m1_code(float q) {
+  const float a = fabsf(q);
+  uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                  (a >= 3.5f) + (a > 5.0f);
+  return code | (signbit(q) ? 0x8u : 0u);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
+  const int blocks_per_head = p.head_dim / kBlock;
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  // index order (token, side, head, block): neighbouring threads read neighbouring bytes
+  const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * blocks_per_head;
+  if (idx >= total) return;
+  const int block = idx % blocks_per_head;
+  const int head = (idx / blocks_per_head) % p.num_kv_heads;
+  const int side = (idx / (int64_t(blocks_per_head) * p.num_kv_heads)) % 2;
+  const int token = idx / (int64_t(blocks_per_head) * p.num_kv_heads * 2);
+
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t page = slot / p.page_size, in_page = slot % p.page_size;
+
+  const T* src = static_cast<const T*>(side ? p.value : p.key) + token * p.kv_stride_token +
+                 head * p.kv_stride_head + block * kBlock;
+  uint4 raw[2];
+  raw[0] = __ldg(reinterpret_cast<const uint4*>(src));
+  raw[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+  const T* x = reinterpret_cast<const T*>(raw);
+
+  const float enc = __fdiv_rn(1.0f, __ldg(side ? p.v_global_scale : p.k_global_scale));
+  float scaled[kBlock];
+  float amax = 0.0f;
+  bool has_nan = false;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    scaled[i] = __fmul_rn(to_float(x[i]), enc);
+    has_nan |= isnan(scaled[i]);
+    amax = fmaxf(amax, fabsf(scaled[i]));
+  }
+  uint8_t sf_byte;
+  float inv = 0.0f;
+  if (has_nan) {
+    sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
+  } else {
+    const __nv_fp8_e4m3 sf(__fdiv_rn(amax, 6.0f));  // RNE, satfinite at 448 (Inf too)
+    sf_byte = sf.__x;
+    const float sf_value = float(sf);
+    if (sf_value > 0.0f) inv = __fdiv_rn(1.0f, sf_value);
+  }
+  uint32_t packed[2] = {0u, 0u};
+  if (!has_nan) {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) packed[i / 8] |= e2m1_code(__fmul_rn(scaled[i], inv)) << (4 * (i % 8));
+  }
+  uint8_t* data = (side ? p.v_data : p.k_data) + page * p.data_strides.page +
+                  in_page * p.data_strides.token + head * p.data_strides.head + block * (kBlock / 2);
+  *reinterpret_cast<uint2*>(data) = make_uint2(packed[0], packed[1]);
+  uint8_t* scales = (side ? p.v_block_scales : p.k_block_scales) + page * p.scale_strides.page +
+                    in_page * p.scale_strides.token + head * p.scale_strides.head;
+  scales[block] = sf_byte;
+}
+
+}  // namespace
+
+cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
+  const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * (p.head_dim / kBlock);
+  if (total == 0) return cudaSuccess;
+  const dim3 grid((total + kThreads - 1) / kThreads);
+  if (p.dtype == QueryType::kBFloat16)
+    write_kv_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);
+  else
+    write_kv_kernel<__half><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace nvfp4

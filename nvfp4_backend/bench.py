@@ -1,0 +1,258 @@
+"""``nvfp4-backend bench``: the decode kernel vs FlashInfer's BF16 / FP8 / NVFP4 decode, one process.
+
+Every implementation runs on caches of the same shape (the NVFP4 peer on the very same bytes),
+timed as CUDA-graph replays with device events (median of many).  Effective bandwidth = the KV
+bytes the format must read / time.  Prints a table, writes JSON and a PNG plot.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import format as fmt, ops, reference
+from .layout import PagedKVCache
+
+DEFAULT_GRID = [(64, 8192), (256, 2048), (32, 8192), (8, 32768), (1, 131072), (128, 512), (16, 16384)]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--grid", default=None, help="BxL pairs, e.g. 64x8192,1x131072 (default: a 7-point grid)")
+    p.add_argument("--page-sizes", default="16,64")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layout", default="HND", choices=["NHD", "HND"])
+    p.add_argument("--spec-q-len", type=int, default=4, help="also time q_len tokens per request (0: skip)")
+    p.add_argument("--no-peers", action="store_true", help="skip FlashInfer even if importable")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default="bench.json")
+    p.add_argument("--plot", default="bench.png")
+
+
+def time_graph(fn, iters: int = 50) -> float:
+    """Median microseconds of one CUDA-graph replay of fn (falls back to eager if capture fails)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = graph.replay
+    except Exception as exc:  # a peer that cannot be captured is timed eagerly, and said so
+        print(f"  (graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(device) -> float:
+    x = torch.empty(1 << 31, dtype=torch.uint8, device=device).random_()
+    y = torch.empty_like(x)
+    us = time_graph(lambda: y.copy_(x), iters=20)
+    return 2 * x.numel() / (us * 1e-6) / 1e12
+
+
+def random_nvfp4_cache(num_pages, page_size, kv_heads, head_dim, layout, device, gen) -> PagedKVCache:
+    cache = PagedKVCache.allocate(num_pages, page_size, kv_heads, head_dim, layout, device)
+    for t in (cache.k_data, cache.v_data):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=device, generator=gen))
+    for t in (cache.k_block_scales, cache.v_block_scales):
+        t.copy_(torch.randint(0x28, 0x48, t.shape, dtype=torch.uint8, device=device, generator=gen))
+    return cache
+
+
+def _flashinfer():
+    try:
+        import flashinfer
+        return flashinfer
+    except Exception as exc:
+        print(f"FlashInfer peers unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    npp = math.ceil(L / page_size)
+    pages = B * npp + 1
+    cache = random_nvfp4_cache(pages, page_size, hkv, d, args.layout, device, gen)
+    table = (torch.randperm(pages - 1, generator=gen, device="cpu")[: B * npp] + 1).to(torch.int32).view(B, npp).to(device)
+    seq = torch.full((B,), L, dtype=torch.int32, device=device)
+    scale = 1 / math.sqrt(d)
+    kg = torch.tensor(0.02, device=device)
+    vg = torch.tensor(0.03, device=device)
+    elems = B * L * hkv * d * 2
+    rows = []
+
+    def ours(q_len):
+        q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
+        qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * q_len
+        plan = ops.plan_attention(B, hkv, hq // hkv, q_len, L, d)
+        wsp = plan.allocate_workspace(device)
+        out = torch.empty_like(q)
+        call = lambda: ops.paged_attention(q, cache, table, seq, qsl, kg, vg, scale, max_query_len=q_len, out=out,
+                                           plan=plan, workspace=wsp)
+        call()
+        nref = min(B, 2)
+        ref = reference.paged_attention_ref(q[: nref * q_len], cache, table[:nref], seq[:nref], qsl[: nref + 1], kg, vg,
+                                            scale, dtype=torch.float64)
+        err = float((out[: nref * q_len].double() - ref).norm() / ref.norm())
+        return time_graph(call, args.iters), err, plan.num_splits
+
+    t, err, splits = ours(1)
+    rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=1, us=t,
+                     tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err, splits=splits))
+    if args.spec_q_len > 1:
+        t, err, splits = ours(args.spec_q_len)
+        rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=args.spec_q_len, us=t,
+                         tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err, splits=splits))
+    if fi is not None:
+        rows += bench_flashinfer(fi, B, L, page_size, cache, table, kg, vg, args, device, gen, ws)
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) -> list[dict]:
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    npp = table.shape[1]
+    indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * npp
+    last = torch.full((B,), L - (npp - 1) * ps, dtype=torch.int32, device=device)
+    q = torch.randn(B, hq, d, dtype=torch.bfloat16, device=device)
+    elems = B * L * hkv * d * 2
+    rows = []
+    for kv in ("bf16", "fp8", "nvfp4"):
+        try:
+            kw = {}
+            if kv == "nvfp4":
+                kc, vc, dt, bpe = cache.k_data, cache.v_data, torch.uint8, fmt.bytes_per_token_head(d) / d
+                kw = dict(k_scale=float(kg), v_scale=float(vg),
+                          kv_cache_sf=(cache.k_block_scales.view(torch.float8_e4m3fn),
+                                       cache.v_block_scales.view(torch.float8_e4m3fn)))
+            else:
+                dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+                shape = (cache.num_pages, ps, hkv, d) if args.layout == "NHD" else (cache.num_pages, hkv, ps, d)
+                kc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+                vc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+                bpe = 2.0 if kv == "bf16" else 1.0
+                if kv == "fp8":
+                    kw = dict(k_scale=0.02, v_scale=0.03)
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout, use_tensor_cores=True)
+            w.plan(indptr, table.flatten(), last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dt)
+            out = torch.empty_like(q)
+            t = time_graph(lambda: w.run(q, (kc, vc), out=out, **kw), args.iters)
+            rows.append(dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
+                             tbps=elems * bpe / (t * 1e-6) / 1e12))
+            del kc, vc
+        except Exception as exc:
+            print(f"  flashinfer {kv} B={B} L={L} ps={ps}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+    return rows
+
+
+def bench_write(device, gen, iters) -> dict:
+    tokens, hkv, d = 16384, 8, 128
+    cache = PagedKVCache.allocate(tokens // 16 + 1, 16, hkv, d, "HND", device)
+    k = torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device=device) + 16
+    kg = torch.tensor(0.01, device=device)
+    t = time_graph(lambda: ops.write_kv(k, v, slots, cache, kg, kg), iters)
+    moved = 2 * tokens * hkv * d * 2 + 2 * tokens * hkv * fmt.bytes_per_token_head(d)
+    return dict(impl="nvfp4-backend write_kv", tokens=tokens, us=t, tbps=moved / (t * 1e-6) / 1e12)
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("nvfp4-backend bench needs a CUDA GPU (none is visible to torch here).", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    grid = DEFAULT_GRID if not args.grid else [tuple(int(x) for x in c.split("x")) for c in args.grid.split(",")]
+    page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    fi = None if args.no_peers else _flashinfer()
+    ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device) if fi is not None else None
+    copy = copy_bandwidth(device)
+    meta = dict(gpu=torch.cuda.get_device_name(device), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                flashinfer=getattr(fi, "__version__", None), copy_tbps=copy, q_heads=args.q_heads,
+                kv_heads=args.kv_heads, head_dim=args.head_dim, layout=args.layout)
+    print(f"{meta['gpu']}: copy bandwidth {copy:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    for ps in page_sizes:
+        for B, L in grid:
+            rows += bench_case(B, L, ps, args, device, gen, fi, ws)
+            print(_fmt_rows([r for r in rows if r["B"] == B and r["L"] == L and r["page_size"] == ps]), flush=True)
+    write = bench_write(device, gen, args.iters)
+    print(f"write_kv 16K tokens: {write['us']:.1f} us, {write['tbps']:.2f} TB/s ({write['tbps'] / copy:.0%} of copy)")
+    Path(args.out).write_text(json.dumps(dict(meta=meta, decode=rows, write=write), indent=1))
+    _plot(rows, meta, args.plot)
+    print("\n" + summary_table(rows, copy))
+    return 0
+
+
+def _fmt_rows(rows) -> str:
+    return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
+                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e} splits={r['splits']}" if 'rel_err' in r else "")
+                     for r in rows)
+
+
+def summary_table(rows, copy) -> str:
+    lines = [f"{'B x L':>12s} {'ps':>3s} {'ours us':>8s} {'TB/s':>5s} {'%copy':>5s} {'q4 us':>7s} "
+             f"{'fi-bf16':>8s} {'fi-fp8':>8s} {'fi-nvfp4':>8s} {'x bf16':>6s} {'x nvfp4':>7s}"]
+    keys = sorted({(r["B"], r["L"], r["page_size"]) for r in rows}, key=lambda k: (k[2], -k[0] * k[1]))
+    for B, L, ps in keys:
+        sel = {(r["impl"], r["kv"], r["q_len"]): r for r in rows if (r["B"], r["L"], r["page_size"]) == (B, L, ps)}
+        ours = sel[("nvfp4-backend", "nvfp4", 1)]
+        spec = next((r for k, r in sel.items() if k[0] == "nvfp4-backend" and k[2] > 1), None)
+        peer = {kv: sel.get(("flashinfer-fa2", kv, 1)) for kv in ("bf16", "fp8", "nvfp4")}
+        f = lambda r: f"{r['us']:8.1f}" if r else f"{'-':>8s}"
+        ratio = lambda r: f"{r['us'] / ours['us']:6.2f}" if r else f"{'-':>6s}"
+        lines.append(f"{B:>5d}x{L:<6d} {ps:3d} {ours['us']:8.1f} {ours['tbps']:5.2f} {ours['tbps'] / copy:5.0%} "
+                     f"{(spec['us'] if spec else float('nan')):7.1f} {f(peer['bf16'])} {f(peer['fp8'])} {f(peer['nvfp4'])} "
+                     f"{ratio(peer['bf16'])} {ratio(peer['nvfp4']):>7s}")
+    return "\n".join(lines)
+
+
+def _plot(rows, meta, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = sorted({(r["impl"], r["kv"], r["q_len"], r["page_size"]) for r in rows})
+    for impl, kv, ql, ps in series:
+        pts = sorted((r["B"] * r["L"], r["us"], r["tbps"]) for r in rows
+                     if (r["impl"], r["kv"], r["q_len"], r["page_size"]) == (impl, kv, ql, ps))
+        label = f"{impl} {kv}" + (f" q={ql}" if ql > 1 else "") + f" ps={ps}"
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+    axes[1].axhline(meta["copy_tbps"], color="gray", linestyle="--", label="copy bandwidth")
+    for ax, name in zip(axes, ("time per decode step (us)", "effective bandwidth (TB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens in the batch (B x L)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{meta['gpu']}, Hq={meta['q_heads']} Hkv={meta['kv_heads']} D={meta['head_dim']} {meta['layout']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

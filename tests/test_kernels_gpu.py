@@ -1,0 +1,191 @@
+"""CUDA kernels vs the reference, over the support matrix (skipped without a GPU).
+
+Fresh random caches per case, pages in random order, outputs poisoned with NaN before each call.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from nvfp4_backend import format as fmt, jit, ops, reference
+from gpu_cases import LAYOUTS, fill_random, make_batch, make_cache, rel_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = "cuda"
+TOL = 4e-3  # relative L2 vs the fp64 reference on the same dequantized cache (bf16 queries)
+
+
+@pytest.fixture
+def gen(request):
+    g = torch.Generator(device="cpu")
+    g.manual_seed(hash(request.node.name) % 2**31)
+    return g
+
+
+def _scales(gen, n=2):
+    return [torch.tensor(float(torch.empty(()).uniform_(0.05, 4.0, generator=gen)), device=DEV) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------- writer
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_bit_exact(layout, head_dim, dtype, gen):
+    assert jit.kernels_available(torch.device(DEV))
+    page_size, heads, pages, tokens = 16, 4, 40, 300
+    x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
+    x[0, 5, 1, 3] = 3000.0          # beyond 6 * 448 * g: saturates
+    x[1, 7, 0, :16] = 1e-4          # tiny block: subnormal E4M3 scale
+    x[0, 9, 2, 20] = float("inf")
+    x[1, 11, 3, 40] = float("nan")  # NaN block -> scale 0x7F
+    key, value = x[0].to(dtype).to(DEV), x[1].to(dtype).to(DEV)
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    slots[::17] = -1                # padding
+    slots = slots.to(DEV)
+    kg, vg = _scales(gen)
+    out_kernel, out_ref = make_cache(layout, pages, page_size, heads, head_dim, DEV), make_cache(layout, pages, page_size, heads, head_dim, DEV)
+    for c in (out_kernel, out_ref):
+        fill_random(c, gen)
+    for a, b in zip(out_kernel.tensors(), out_ref.tensors()):
+        b.copy_(a)
+    ops.write_kv(key, value, slots, out_kernel, kg, vg)
+    ref_cpu = _to_cpu(out_ref)  # the reference on the CPU: kernel == CPU reference, bit for bit
+    reference.write_kv_ref(key.cpu(), value.cpu(), slots.cpu(), ref_cpu, kg.cpu(), vg.cpu())
+    for name, a, b in zip(("k_data", "k_scales", "v_data", "v_scales"), out_kernel.tensors(), ref_cpu.tensors()):
+        diff = (a.cpu() != b).sum().item()
+        assert diff == 0, f"{name}: {diff} bytes differ from the reference ({layout})"
+
+
+def _to_cpu(cache):
+    """A CPU copy of a cache with the same strides (one tensor per view)."""
+    from nvfp4_backend import PagedKVCache
+    views = []
+    for t in cache.tensors():
+        cpu = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        cpu.copy_(t.cpu())
+        views.append(cpu)
+    return PagedKVCache(*views)
+
+
+# ----------------------------------------------------------------------------------- decode
+def _cases():
+    """The support matrix, each axis value covered, with the combinations that stress indexing."""
+    cases = []
+    for head_dim, page_size, group, q_len in itertools.product([64, 128, 256], [1, 16, 32, 64, 128], [1, 4, 8, 16], [1, 2, 4, 8]):
+        if q_len * group > jit.MAX_DECODE_ROWS or (head_dim == 256 and q_len * group > 32):
+            continue
+        cases.append((head_dim, page_size, group, q_len))
+    return cases
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,q_len", _cases())
+def test_decode_matrix(head_dim, page_size, group, q_len, gen):
+    layout = LAYOUTS[(head_dim + page_size + group + q_len) % len(LAYOUTS)]
+    dtype = torch.bfloat16 if (page_size + q_len) % 2 else torch.float16
+    _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,soft_cap,sinks", [(None, None, False), (37, None, False), (None, 30.0, False),
+                                                   (None, None, True), (100, 20.0, True)])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_features(layout, dtype, window, soft_cap, sinks, splits, gen):
+    _check_decode(gen, layout, 128, 16, 4, 3, dtype, num_kv_heads=3, window=window, soft_cap=soft_cap,
+                  sinks=sinks, splits=splits)
+
+
+def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, window=None, soft_cap=None,
+                  sinks=False, splits=None, seq_lens=None):
+    seq_lens = seq_lens or [q_len + int(x) for x in torch.randint(0, 700, (4,), generator=gen)]
+    seq_lens[0] = q_len  # only the new tokens
+    q_lens = [q_len] * len(seq_lens)
+    q_lens[1] = max(1, q_len - 1)  # ragged q_len inside one batch
+    pages = sum(math.ceil(s / page_size) for s in seq_lens) + 3
+    cache = make_cache(layout, pages, page_size, num_kv_heads, head_dim, DEV)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, q_lens, num_kv_heads * group, head_dim, page_size, pages, dtype, gen, DEV)
+    kg, vg = _scales(gen)
+    sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
+    scale = 1 / math.sqrt(head_dim)
+    plan = ops.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim)
+    if splits is not None:
+        plan = ops.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4)
+    out = torch.full_like(batch.q, float("nan"))
+    ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, scale,
+                        max_query_len=batch.max_query_len, sliding_window=window, logits_soft_cap=soft_cap,
+                        sinks=sink_t, out=out, plan=plan)
+    ref = reference.paged_attention_ref(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                        kg, vg, scale, window, soft_cap, sink_t, dtype=torch.float64)
+    assert not torch.isnan(out).any(), "an output element was not written (or is NaN)"
+    err = rel_l2(out, ref)
+    assert err <= TOL, f"relative L2 error {err:.2e} > {TOL} ({layout}, D={head_dim}, ps={page_size}, G={group}, q={q_len})"
+
+
+def test_long_context_split(gen):
+    """One long request must use split-KV and still match the reference."""
+    _check_decode(gen, "NHD", 128, 64, 4, 1, torch.bfloat16, num_kv_heads=2, seq_lens=[40000, 1, 333, 5000])
+
+
+def test_cuda_graph_replay_and_determinism(gen):
+    seq_lens, q_lens = [500, 1200, 77], [1, 1, 1]
+    cache = make_cache("HND", 200, 16, 2, 128, DEV)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, q_lens, 8, 128, 16, 200, torch.bfloat16, gen, DEV)
+    kg, vg = _scales(gen)
+    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128)
+    assert plan.num_splits > 1
+    ws = plan.allocate_workspace(DEV)
+    out = torch.empty_like(batch.q)
+
+    def step():
+        ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.1,
+                            max_query_len=1, out=out, plan=plan, workspace=ws)
+
+    step()
+    eager = out.clone()
+    step()
+    assert torch.equal(out, eager), "two identical calls differ (non-deterministic merge)"
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # warm up on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        out.fill_(float("nan"))
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from eager"
+    q2 = torch.randn_like(batch.q)
+    batch.q.copy_(q2)
+    graph.replay()
+    torch.cuda.synchronize()
+    step()
+    assert torch.equal(out, out.clone())
+
+
+def test_flashinfer_cross_check(gen):
+    flashinfer = pytest.importorskip("flashinfer")
+    B, L, ps, hkv, group, D = 4, 777, 16, 2, 4, 128
+    cache = make_cache("NHD", B * math.ceil(L / ps) + 1, ps, hkv, D, DEV)
+    fill_random(cache, gen)
+    batch = make_batch([L] * B, [1] * B, hkv * group, D, ps, cache.num_pages, torch.bfloat16, gen, DEV)
+    kg, vg = _scales(gen)
+    ours = ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
+                               1 / math.sqrt(D), max_query_len=1)
+    npp = math.ceil(L / ps)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(torch.arange(B + 1, device=DEV, dtype=torch.int32) * npp, batch.block_table.flatten(),
+           torch.full((B,), L - (npp - 1) * ps, device=DEV, dtype=torch.int32), hkv * group, hkv, D, ps,
+           q_data_type=torch.bfloat16, kv_data_type=torch.uint8)
+    theirs = w.run(batch.q, (cache.k_data, cache.v_data), k_scale=float(kg), v_scale=float(vg),
+                   kv_cache_sf=(cache.k_block_scales.view(torch.float8_e4m3fn), cache.v_block_scales.view(torch.float8_e4m3fn)))
+    ref = reference.paged_attention_ref(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                        kg, vg, 1 / math.sqrt(D), dtype=torch.float64)
+    err_ours, err_theirs = rel_l2(ours, ref), rel_l2(theirs, ref)
+    print(f"rel L2 vs fp64 reference: nvfp4-backend {err_ours:.2e}, FlashInfer fa2 {err_theirs:.2e}")
+    assert err_ours <= max(err_theirs * 1.5, TOL)
