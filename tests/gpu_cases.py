@@ -28,9 +28,9 @@ def make_cache(layout: str, num_pages: int, page_size: int, num_kv_heads: int, h
 def fill_random(cache: PagedKVCache, gen: torch.Generator, scale_lo: int = 0x28, scale_hi: int = 0x48) -> None:
     """Random E2M1 codes and E4M3 block scales in [scale_lo, scale_hi) (bytes), written in place."""
     for t in (cache.k_data, cache.v_data):
-        t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=t.device, dtype=torch.uint8))
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
     for t in (cache.k_block_scales, cache.v_block_scales):
-        t.copy_(torch.randint(scale_lo, scale_hi, t.shape, generator=gen, device=t.device, dtype=torch.uint8))
+        t.copy_(torch.randint(scale_lo, scale_hi, t.shape, generator=gen, dtype=torch.uint8))
 
 
 @dataclass
