@@ -1,0 +1,314 @@
+"""NVFP4 KV-cache attention for vLLM, served by nvfp4_backend's ops.
+
+Three classes, as in vLLM's triton_attn.py:
+  * ``Nvfp4XqaBackend`` declares what the kernels support, as data, so vLLM's
+    ``validate_configuration`` rejects everything else with a reason;
+  * ``Nvfp4XqaMetadataBuilder`` splits each step into decode and prefill rows and plans both on
+    the host (split-KV count, workspace), once per step, outside CUDA graphs;
+  * ``Nvfp4XqaImpl`` quantizes K/V into the cache on write and runs paged attention.
+All numerics (format, layout, kernels, reference) live in ``nvfp4_backend``; nothing here
+touches a byte of the cache itself.
+
+The page is vLLM's inline NVFP4 page (the one its FlashInfer fa2 path uses): per page
+``[K data | K scales | V data | V scales]``, 2 * num_kv_heads head slots of D/2 + D/16 bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    max_decode_query_len,
+)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
+
+from nvfp4_backend import PagedKVCache, ops
+from nvfp4_backend import format as fmt
+from nvfp4_backend.jit import decode_supports
+
+from . import BACKEND_NAME, KV_CACHE_DTYPE
+
+HEAD_SIZES = list(fmt.SUPPORTED_HEAD_DIMS)
+BLOCK_SIZES = [16, 32, 64, 128]
+MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
+
+
+def kernel_max_query_len(group_size: int, head_size: int) -> int:
+    """Longest per-request query the CUDA decode kernel serves (0: none); longer ones go dense."""
+    q = 0
+    while decode_supports(group_size, q + 1, head_size):
+        q += 1
+    return q
+
+
+class Nvfp4XqaBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [KV_CACHE_DTYPE]
+    # vLLM calls do_kv_cache_update (quantize-on-write) before forward.
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[Nvfp4XqaImpl]:
+        return Nvfp4XqaImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[Nvfp4XqaMetadataBuilder]:
+        return Nvfp4XqaMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return list(BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(HEAD_SIZES)
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability is not None and (capability.major, capability.minor) >= MIN_CAPABILITY
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Page-dense layouts only: the inline page is cut into [K data | K sf | V data | V sf]
+        # by byte offsets, which needs each page's bytes in one run.  Head-major first: a
+        # decode thread block serves one kv head, whose tokens are then contiguous.
+        return (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Size pages as NVFP4 data + E4M3 scales (0.5625 B/element), K then V inline."""
+        if spec.state_content_bytes is not None:  # already ours (vLLM may apply it twice)
+            return spec
+        if spec.kv_quant_mode != KVQuantMode.NVFP4:
+            raise ValueError(f"{BACKEND_NAME} stores an NVFP4 cache only, got kv_quant_mode "
+                             f"{spec.kv_quant_mode.name}; pass --kv-cache-dtype {KV_CACHE_DTYPE}")
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(f"{BACKEND_NAME} needs equal K/V head sizes, got head_size={spec.head_size}, "
+                             f"head_size_v={spec.head_size_v}")
+        assert spec.dtype == torch.uint8, spec.dtype  # vLLM's storage dtype for "nvfp4": bytes
+        return replace(spec, num_head_slots=2 * spec.num_kv_heads,
+                       state_content_bytes=fmt.bytes_per_token_head(spec.head_size))
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                               use_mm_prefix, use_per_head_quant_scales, device_capability, attn_type,
+                               **kwargs) -> list[str]:
+        reasons = super().validate_configuration(
+            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+            use_mla=use_mla, has_sink=has_sink, use_sparse=use_sparse, use_mm_prefix=use_mm_prefix,
+            use_per_head_quant_scales=use_per_head_quant_scales, device_capability=device_capability,
+            attn_type=attn_type, **kwargs)
+        # vLLM's generic reasons name the field but not the value or the supported set.
+        detail = {
+            "head_size not supported": f"head_size {head_size} is not one of {HEAD_SIZES}",
+            "dtype not supported": f"dtype {dtype} is not float16 or bfloat16",
+            "kv_cache_dtype not supported": f"kv_cache_dtype {kv_cache_dtype!r} is not "
+                                            f"{KV_CACHE_DTYPE!r} (pass --kv-cache-dtype {KV_CACHE_DTYPE})",
+            "block_size not supported": f"block_size {block_size} is not a multiple of one of {BLOCK_SIZES}",
+            "compute capability not supported": f"compute capability {device_capability} is below "
+                                                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}",
+        }
+        return [detail.get(r, r) for r in reasons]
+
+
+@dataclass
+class Nvfp4AttentionCall:
+    """One ``ops.paged_attention`` call over query rows ``[token_start, token_end)``."""
+    token_start: int
+    token_end: int
+    query_start_loc: torch.Tensor  # [reqs + 1] int32, rebased to token_start
+    seq_lens: torch.Tensor          # [reqs] int32
+    block_table: torch.Tensor       # [reqs, max_pages] int32
+    max_query_len: int
+    plan: ops.AttentionPlan
+
+
+@dataclass
+class Nvfp4XqaMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    decode: Nvfp4AttentionCall | None  # q_len <= reorder threshold: the paged decode kernel
+    prefill: Nvfp4AttentionCall | None  # longer queries: the core picks kernel or dense path
+    workspace: torch.Tensor
+
+
+class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
+    # FULL graphs for uniform decode / spec-decode batches (get_cudagraph_support narrows it).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        model_config = vllm_config.model_config
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_size = kv_cache_spec.head_size
+        num_heads = get_num_attention_heads_from_layers(vllm_config, layer_names) or \
+            model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.group_size = num_heads // self.num_kv_heads
+        self.max_model_len = model_config.max_model_len
+        # Spec-decode verification rows (1 + k tokens) count as decodes.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if torch.device(device).type == "cuda" else 1
+        # NOTE: one workspace for every step and every captured graph, sized for the worst plan
+        # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
+        # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
+        q_kernel = kernel_max_query_len(self.group_size, self.head_size)
+        plans = [self._plan(b, q_kernel, self.max_model_len)
+                 for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if q_kernel else []
+        worst = max(plans, key=lambda p: p.workspace_bytes, default=ops.AttentionPlan(1, 0))
+        self.workspace = worst.allocate_workspace(device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # Only the CUDA decode kernel is capturable; spec-decode rows beyond it take the dense path.
+        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        group = heads // kv_cache_spec.num_kv_heads
+        if decode_supports(group, max_decode_query_len(vllm_config), kv_cache_spec.head_size):
+            return AttentionCGSupport.UNIFORM_BATCH
+        if decode_supports(group, 1, kv_cache_spec.head_size):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> ops.AttentionPlan:
+        if not decode_supports(self.group_size, max_query_len, self.head_size):
+            return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
+        return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
+                                  self.head_size, self.num_sms)
+
+    def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
+              max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:
+        (r0, r1), (t0, t1) = reqs, tokens
+        qsl = cm.query_start_loc[r0:r1 + 1]
+        plan = self._plan(r1 - r0, max_query_len, max_seq_len)
+        if plan.workspace_bytes > self.workspace.numel():
+            raise RuntimeError(f"{BACKEND_NAME}: plan needs {plan.workspace_bytes} workspace bytes, "
+                               f"{self.workspace.numel()} were preallocated (max_num_seqs / max_model_len changed?)")
+        return Nvfp4AttentionCall(t0, t1, qsl - t0 if t0 else qsl, cm.seq_lens[r0:r1],
+                                  cm.block_table_tensor[r0:r1], max_query_len, plan)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False, max_seq_len: int | None = None) -> Nvfp4XqaMetadata:
+        cm = common_attn_metadata
+        max_seq_len = cm.max_seq_len if max_seq_len is None else max_seq_len
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
+            cm, decode_threshold=self.reorder_batch_threshold)
+        decode = prefill = None
+        if num_decodes:
+            decode = self._call(cm, (0, num_decodes), (0, num_decode_tokens),
+                                min(cm.max_query_len, self.reorder_batch_threshold), max_seq_len)
+        if num_prefills:
+            decode_end = num_decodes + num_prefills
+            prefill = self._call(cm, (num_decodes, decode_end),
+                                 (num_decode_tokens, num_decode_tokens + num_prefill_tokens),
+                                 cm.max_query_len, max_seq_len)
+        return Nvfp4XqaMetadata(cm.num_actual_tokens, cm.slot_mapping, decode, prefill, self.workspace)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Nvfp4XqaMetadata:
+        # NOTE: the split-KV count is baked into the captured graph, so plan for the longest
+        # sequence the graph may ever replay, not for the dummy lengths of the capture batch.
+        return self.build(0, common_attn_metadata, max_seq_len=self.max_model_len)
+
+
+class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **unsupported) -> None:
+        unsupported = {k: v for k, v in unsupported.items() if v not in (None, False, -1)}
+        if unsupported:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support {sorted(unsupported)}")
+        if alibi_slopes is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support ALiBi (alibi_slopes)")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got attn_type={attn_type}")
+        if kv_cache_dtype != KV_CACHE_DTYPE:
+            raise ValueError(f"{BACKEND_NAME} reads an NVFP4 cache only, got kv_cache_dtype={kv_cache_dtype!r}; "
+                             f"pass --kv-cache-dtype {KV_CACHE_DTYPE}")
+        if head_size not in HEAD_SIZES:
+            raise ValueError(f"{BACKEND_NAME}: head_size {head_size} is not one of {HEAD_SIZES}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        # vLLM's window W (flash-attn's (W-1, 0)) is ours: a query at p sees p-W+1..p.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}")
+        self.sinks = sinks
+        self._cache_key: tuple | None = None
+        self._cache: PagedKVCache | None = None
+
+    def _paged_cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
+        """vLLM's [num_blocks, 2 * kv_heads, block_size, D/2 + D/16] uint8 view as a PagedKVCache."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
+        if key != self._cache_key:  # views are rebuilt only when vLLM rebinds the cache
+            num_blocks, slots, block_size, content = kv_cache.shape
+            # The same test as vLLM's flashinfer._nvfp4_kv_views: head-major (HND) or token-major
+            # (NHD) dense pages; anything else would interleave other layers' bytes into a page.
+            hnd = kv_cache.stride()[1:] == (block_size * content, content, 1)
+            if not hnd and kv_cache.stride()[1:] != (content, slots * content, 1):
+                raise ValueError(f"{BACKEND_NAME}: KV pages must be dense (HND or NHD), got shape "
+                                 f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+            if slots != 2 * self.num_kv_heads or content != fmt.bytes_per_token_head(self.head_size):
+                raise ValueError(f"{BACKEND_NAME}: kv_cache shape {tuple(kv_cache.shape)} is not "
+                                 f"[blocks, 2 * {self.num_kv_heads}, block_size, "
+                                 f"{fmt.bytes_per_token_head(self.head_size)}] (customize_spec not applied?)")
+            self._cache = PagedKVCache.from_inline_pages(kv_cache, block_size, self.num_kv_heads, self.head_size,
+                                                         head_major=hnd)
+            self._cache_key = key
+        return self._cache
+
+    def do_kv_cache_update(self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.kv_sharing_target_layer_name is not None:
+            return  # the target layer wrote this cache
+        # key/value may be padded past slot_mapping (CUDA-graph padding); slots < 0 are skipped.
+        n = slot_mapping.shape[0]
+        ops.write_kv(key[:n], value[:n], slot_mapping, self._paged_cache(kv_cache), layer._k_scale, layer._v_scale)
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Nvfp4XqaMetadata, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support fused output quantization")
+        if attn_metadata is None:  # profiling run: no cache yet
+            return output.fill_(0)
+        cache = self._paged_cache(kv_cache)
+        sinks = None if self.sinks is None else self.sinks.float()
+        for call in (attn_metadata.decode, attn_metadata.prefill):
+            if call is None:
+                continue
+            rows = slice(call.token_start, call.token_end)
+            ops.paged_attention(query[rows], cache, call.block_table, call.seq_lens, call.query_start_loc,
+                                layer._k_scale, layer._v_scale, self.scale, max_query_len=call.max_query_len,
+                                sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                                sinks=sinks, out=output[rows], plan=call.plan, workspace=attn_metadata.workspace)
+        return output
