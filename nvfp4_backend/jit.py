@@ -44,10 +44,19 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
               "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
 
 
+def extra_flags() -> list[str]:
+    """``NVFP4_BACKEND_NVCC_FLAGS``: extra nvcc flags for experiments (they get their own build)."""
+    return os.environ.get("NVFP4_BACKEND_NVCC_FLAGS", "").split()
+
+
 def module_name(capability: tuple[int, int]) -> str:
     tv = torch.__version__.split("+")[0].replace(".", "_")
     cv = (torch.version.cuda or "none").replace(".", "_")
-    return f"nvfp4_backend_C_torch{tv}_cu{cv}_sm{capability[0]}{capability[1]}"
+    name = f"nvfp4_backend_C_torch{tv}_cu{cv}_sm{capability[0]}{capability[1]}"
+    if extra_flags():
+        import hashlib
+        name += "_" + hashlib.sha1(" ".join(extra_flags()).encode()).hexdigest()[:8]
+    return name
 
 
 @functools.cache
@@ -59,7 +68,7 @@ def _load_for(capability: tuple[int, int]):
     print(f"[nvfp4-backend] loading CUDA kernels {name} (the first build takes about a minute)...",
           file=sys.stderr, flush=True)
     load(name=name, sources=[str(src / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)],
-         extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability), extra_include_paths=[str(src)],
+         extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability) + extra_flags(), extra_include_paths=[str(src)],
          is_python_module=False, verbose=verbose)
     return torch.ops.nvfp4_backend_C
 
@@ -97,6 +106,11 @@ def unavailable_reason(capability: tuple[int, int]) -> str | None:
     return _unavailable.get(capability)
 
 
+def decode_max_rows(head_dim: int) -> int:
+    """Query rows one decode thread block serves (mirrors nvfp4::decode_max_rows in csrc)."""
+    return {64: MAX_DECODE_ROWS, 128: MAX_DECODE_ROWS, 256: MAX_DECODE_ROWS // 2}.get(head_dim, 0)
+
+
 def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:
     """Whether one decode thread block holds all query rows of a (request, kv head)."""
-    return head_dim in fmt.SUPPORTED_HEAD_DIMS and 0 < max_query_len * group_size <= MAX_DECODE_ROWS
+    return 0 < max_query_len * group_size <= decode_max_rows(head_dim)

@@ -132,7 +132,8 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     """
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    splits = max(1, min(math.ceil(2 * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    # about four resident thread blocks per SM keep enough bytes in flight
+    splits = max(1, min(math.ceil(4 * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
@@ -194,8 +195,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
     if plan is None:
         max_seq_len = int(seq_lens.max()) if batch else 0
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
-                              max_seq_len, cache.head_dim)
+                              max_seq_len, cache.head_dim, sms)
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.numel() < plan.workspace_bytes:
@@ -207,12 +209,21 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     return out
 
 
+def _kernel_aligned(k_data, k_block_scales, v_data) -> bool:
+    """The decode kernel copies 16-byte pieces of data and whole scale rows: layouts whose rows are
+    not aligned for that (e.g. vLLM-style inline pages of 1 token) take the dense path."""
+    sf = k_block_scales.shape[-1]
+    return (all(st % 16 == 0 for st in k_data.stride()[:3]) and k_data.data_ptr() % 16 == 0
+            and v_data.data_ptr() % 16 == 0 and all(st % sf == 0 for st in k_block_scales.stride()[:3])
+            and k_block_scales.data_ptr() % sf == 0)
+
+
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace) -> None:
     from . import jit
-    if q.is_cuda and jit.kernels_available(q.device) and jit.decode_supports(
-            q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]):
+    if q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data) and \
+            jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]):
         jit.load(q.device).paged_attention(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                                    query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                                    logits_soft_cap, sinks, max_query_len, num_splits, workspace)
