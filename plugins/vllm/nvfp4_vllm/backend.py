@@ -168,8 +168,9 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         self.max_model_len = model_config.max_model_len
         # Spec-decode verification rows (1 + k tokens) count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if torch.device(device).type == "cuda" else 1
+        # Off CUDA (tests) the plan is only bookkeeping: keep the core's default SM count.
+        self.plan_kwargs = {"num_sms": torch.cuda.get_device_properties(device).multi_processor_count} \
+            if torch.device(device).type == "cuda" else {}
         # NOTE: one workspace for every step and every captured graph, sized for the worst plan
         # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
         # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
@@ -194,7 +195,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         if not decode_supports(self.group_size, max_query_len, self.head_size):
             return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
         return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                  self.head_size, self.num_sms)
+                                  self.head_size, **self.plan_kwargs)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:
@@ -280,7 +281,10 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
                 raise ValueError(f"{BACKEND_NAME}: kv_cache shape {tuple(kv_cache.shape)} is not "
                                  f"[blocks, 2 * {self.num_kv_heads}, block_size, "
                                  f"{fmt.bytes_per_token_head(self.head_size)}] (customize_spec not applied?)")
-            self._cache = PagedKVCache.from_inline_pages(kv_cache, block_size, self.num_kv_heads, self.head_size,
+            # NHD pages are dense but permuted ([2H, N, C] strides (C, 2H*C, 1)); hand the core the
+            # same bytes as a page-contiguous [B, N, 2H, C] view, which it accepts.
+            pages = kv_cache if hnd else kv_cache.transpose(1, 2)
+            self._cache = PagedKVCache.from_inline_pages(pages, block_size, self.num_kv_heads, self.head_size,
                                                          head_major=hnd)
             self._cache_key = key
         return self._cache
