@@ -1,0 +1,277 @@
+"""The backend end to end on vLLM's own objects: KV caches carved by vLLM's ``create_kv_cache_views``,
+a real ``Attention`` layer, ``CommonAttentionMetadata`` batches, ``do_kv_cache_update`` + ``forward``.
+
+Oracle: fp64 dense causal attention over K/V round-tripped through the NVFP4 format with the
+layer's global scales.  The cache bytes are read back through vLLM's own NVFP4 page views
+(``flashinfer._nvfp4_kv_views``, executed from vLLM's source), so the page layout is checked
+against vLLM, not against this project's layout code.
+"""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import vllm
+from vllm.utils.torch_utils import nvfp4_split_data_scale
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVCacheLayout, KVCacheTensor, create_kv_cache_views
+from vllm.v1.worker.utils import customize_attention_spec
+
+from conftest import cuda_or_skip, make_layer
+from nvfp4_backend import format as fmt
+from nvfp4_vllm.backend import Nvfp4XqaBackend as Backend
+
+NUM_BLOCKS = 48
+PAD_TOKENS = 3  # CUDA-graph style padding: rows past the batch that nothing may read or write
+LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC]
+# (context tokens already cached, new query tokens) per request, in vLLM's reordered order
+# (decodes first); lengths leave partial last pages.
+BATCHES = {
+    "decode": [(15, 1), (39, 1), (32, 1), (0, 1)],
+    "mixed": [(20, 1), (47, 1), (10, 37), (5, 3), (0, 64)],
+    "short_extends": [(30, 3), (17, 4)],
+    "prefill": [(0, 70), (0, 9)],
+}
+
+
+def vllm_nvfp4_kv_views():
+    """vLLM's ``_nvfp4_kv_views`` from its flashinfer backend's source, without importing flashinfer."""
+    path = Path(vllm.__file__).parent / "v1" / "attention" / "backends" / "flashinfer.py"
+    tree = ast.parse(path.read_text())
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_nvfp4_kv_views"]
+    assert fns, f"vLLM moved _nvfp4_kv_views out of {path}: re-check the inline NVFP4 page layout"
+    namespace = {"torch": torch, "nvfp4_split_data_scale": nvfp4_split_data_scale, "_KVPair": tuple}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["_nvfp4_kv_views"]
+
+
+def token_major(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """vLLM's [pages, H, N, ·] (HND) or [pages, N, H, ·] (NHD) view as [pages, N, H, ·] bytes."""
+    x = x.view(torch.uint8)
+    return x.transpose(1, 2) if layout == "HND" else x
+
+
+def make_kv_caches(spec, layout: KVCacheLayout, device, num_layers: int = 2) -> tuple[torch.Tensor, list]:
+    """One raw buffer of random bytes viewed per layer exactly as vLLM's worker does."""
+    page = spec.page_size_bytes
+    layer_stride, block_stride = ((page * NUM_BLOCKS, page) if layout.is_layer_compact
+                                  else (page, page * num_layers))
+    raw = torch.randint(0, 256, (page * NUM_BLOCKS * num_layers,), dtype=torch.uint8, device=device)
+    tensor = KVCacheTensor(size=raw.numel(), layers=[f"l{i}" for i in range(num_layers)],
+                           layer_stride=layer_stride, block_stride=block_stride)
+    return raw, create_kv_cache_views(raw.view(torch.int8), spec, NUM_BLOCKS, layout, tensor)
+
+
+def oracle(q, keys, values, q_lens, scale, window=None, soft_cap=None, sinks=None) -> torch.Tensor:
+    """fp64 causal attention per request; keys/values: per request [seq_len, kv_heads, D]."""
+    out, row = [], 0
+    for k, v, q_len in zip(keys, values, q_lens):
+        qb = q[row:row + q_len].double()
+        group = qb.shape[1] // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        if soft_cap:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        q_pos = torch.arange(k.shape[0] - q_len, k.shape[0])[:, None]
+        k_pos = torch.arange(k.shape[0])[None, :]
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        s = s.masked_fill(~visible.to(s.device), -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)], -1)
+        p = torch.softmax(s, -1)[..., :k.shape[0]]
+        out.append(torch.einsum("hqk,khd->qhd", p, v))
+        row += q_len
+    return torch.cat(out)
+
+
+class Step:
+    """One engine step over a random paged block table (block 0 held back, as vLLM's null block)."""
+
+    def __init__(self, requests, block_size: int, device, gen: torch.Generator):
+        self.requests = requests
+        self.seq_lens = [c + q for c, q in requests]
+        self.q_lens = [q for _, q in requests]
+        width = max(math.ceil(s / block_size) for s in self.seq_lens) + 1
+        pages = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1)[:len(requests) * width]
+        self.block_table = pages.view(len(requests), width).to(torch.int32)
+        self.block_size = block_size
+        self.device = device
+
+    def slots(self, b: int, positions: range) -> list[int]:
+        return [int(self.block_table[b, p // self.block_size]) * self.block_size + p % self.block_size
+                for p in positions]
+
+    def context_slots(self) -> torch.Tensor:
+        return torch.tensor([s for b, (c, _) in enumerate(self.requests) for s in self.slots(b, range(c))],
+                            dtype=torch.int64)
+
+    def new_slots(self) -> torch.Tensor:
+        return torch.tensor([s for b, (c, q) in enumerate(self.requests) for s in self.slots(b, range(c, c + q))],
+                            dtype=torch.int64)
+
+    def metadata(self) -> CommonAttentionMetadata:
+        qsl = torch.tensor([0, *torch.tensor(self.q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        dev = self.device
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32,
+                                                                                      device=dev),
+            num_reqs=len(self.requests), num_actual_tokens=sum(self.q_lens), max_query_len=max(self.q_lens),
+            max_seq_len=max(self.seq_lens), block_table_tensor=self.block_table.to(dev),
+            slot_mapping=self.new_slots().to(dev))
+
+
+def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtype=torch.bfloat16, seed: int = 0):
+    """Write the context, then one step's K/V, then attention; return everything needed to check."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    raw, (other_layer, kv_cache) = make_kv_caches(spec, layout, device)
+    other_before = other_layer.clone()
+    step = Step(BATCHES[batch], spec.block_size, device, gen)
+    layer._k_scale.fill_(0.5)  # non-trivial global (dequant) scales must flow through to the cache
+    layer._v_scale.fill_(0.25)
+    layer._k_scale, layer._v_scale = layer._k_scale.to(device), layer._v_scale.to(device)
+    h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    ctx, new = sum(c for c, _ in step.requests), sum(step.q_lens)
+    k = torch.randn(ctx + new, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(ctx + new, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(new + PAD_TOKENS, h, d, generator=gen).to(dtype)
+    impl = layer.impl
+    if ctx:  # an earlier step
+        impl.do_kv_cache_update(layer, k[:ctx].to(device), v[:ctx].to(device), kv_cache, step.context_slots().to(device))
+    # this step: key/value padded past slot_mapping, and slot_mapping padded with -1
+    pad_kv = torch.randn(PAD_TOKENS, hkv, d, generator=gen).to(dtype)
+    slot_mapping = torch.cat([step.new_slots(), torch.full((1,), -1, dtype=torch.int64)]).to(device)
+    k_step = torch.cat([k[ctx:], pad_kv]).to(device)
+    v_step = torch.cat([v[ctx:], pad_kv]).to(device)
+    cm = step.metadata()
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device(device))
+    metadata = builder.build(0, cm)
+    impl.do_kv_cache_update(layer, k_step[:new + 1], v_step[:new + 1], kv_cache, slot_mapping)
+    output = torch.full((new + PAD_TOKENS, h, d), float("nan"), dtype=dtype, device=device)
+    impl.forward(layer, q.to(device), k_step, v_step, kv_cache, metadata, output)
+
+    # per request, in sequence order: its context tokens, then its new tokens
+    order, c0, n0 = [], 0, ctx
+    for c, qn in step.requests:
+        order.append(list(range(c0, c0 + c)) + list(range(n0, n0 + qn)))
+        c0, n0 = c0 + c, n0 + qn
+    return dict(step=step, kv_cache=kv_cache, output=output.cpu(), q=q, k=k, v=v, order=order, ctx=ctx,
+                other_before=other_before, other_after=other_layer, k_scale=0.5, v_scale=0.25)
+
+
+def roundtrip(x, scale):
+    return fmt.dequantize(*fmt.quantize(x.float(), scale), scale, torch.float64)
+
+
+def check_step(r, layer, window=None, soft_cap=None, sinks=None, atol=2e-2):
+    step, new = r["step"], sum(r["step"].q_lens)
+    keys = [roundtrip(r["k"][idx], r["k_scale"]) for idx in r["order"]]
+    values = [roundtrip(r["v"][idx], r["v_scale"]) for idx in r["order"]]
+    want = oracle(r["q"][:new], keys, values, step.q_lens, layer.impl.scale, window, soft_cap, sinks)
+    got = r["output"][:new].double()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=atol, rtol=2e-2)
+    assert torch.isnan(r["output"][new:]).all(), "padding rows must be left untouched"
+    assert torch.equal(r["other_before"], r["other_after"]), "another layer's cache bytes changed"
+
+
+def check_cache_bytes(r, layer):
+    """Every written token's bytes, read through vLLM's own NVFP4 page views."""
+    (k_data, v_data), (k_sf, v_sf), layout = vllm_nvfp4_kv_views()(r["kv_cache"], layer.num_kv_heads)
+    step = r["step"]
+    slots = torch.cat([step.context_slots(), step.new_slots()])
+    page, offset = slots // step.block_size, slots % step.block_size
+    for x, scale, data, sf in ((r["k"], r["k_scale"], k_data, k_sf), (r["v"], r["v_scale"], v_data, v_sf)):
+        want_data, want_sf = fmt.quantize(x.float(), scale)
+        torch.testing.assert_close(token_major(data, layout)[page, offset].cpu(), want_data, atol=0, rtol=0)
+        torch.testing.assert_close(token_major(sf, layout)[page, offset].cpu(), want_sf, atol=0, rtol=0)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_update_and_forward_match_dense_attention(make_config, device, layout, batch):
+    cuda_or_skip(device)
+    config = make_config()
+    layer = make_layer(config)
+    r = run_step(config, layer, layout, batch, device)
+    check_cache_bytes(r, layer)
+    check_step(r, layer)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_soft_cap_sinks_fp16(make_config, device, dtype):
+    cuda_or_skip(device)
+    config = make_config(dtype="float16" if dtype == torch.float16 else "bfloat16")
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)).to(device)
+    layer = make_layer(config, per_layer_sliding_window=24, logits_soft_cap=30.0, sinks=sinks)
+    assert layer.impl.sliding_window == 24
+    r = run_step(config, layer, KVCacheLayout.LBHNC, "mixed", device, dtype=dtype)
+    check_step(r, layer, window=24, soft_cap=30.0, sinks=sinks.cpu())
+
+
+@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", [(64, 4, 4), (256, 8, 1)])
+def test_other_head_sizes_and_groups(make_config, head_size, num_heads, num_kv_heads):
+    config = make_config()
+    layer = make_layer(config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
+    r = run_step(config, layer, KVCacheLayout.LBNHC, "mixed", "cpu")
+    check_cache_bytes(r, layer)
+    check_step(r, layer)
+
+
+def test_builder_splits_mixed_batch(make_config):
+    from nvfp4_backend import ops
+    config = make_config()
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    step = Step(BATCHES["mixed"], spec.block_size, "cpu", torch.Generator().manual_seed(0))
+    cm = step.metadata()
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    assert builder.reorder_batch_threshold == 1 and builder.group_size == 4
+    md = builder.build(0, cm)
+    d, p = md.decode, md.prefill
+    assert (d.token_start, d.token_end, p.token_start, p.token_end) == (0, 2, 2, cm.num_actual_tokens)
+    assert d.query_start_loc.tolist() == [0, 1, 2]
+    assert p.query_start_loc.tolist() == [0, 37, 40, 104]  # rebased to the prefill rows
+    assert p.seq_lens.tolist() == step.seq_lens[2:] and torch.equal(p.block_table, cm.block_table_tensor[2:])
+    assert (d.max_query_len, p.max_query_len) == (1, 64)
+    assert d.plan == ops.plan_attention(2, 2, 4, 1, cm.max_seq_len, 128)
+    assert p.plan.num_splits == 1  # 64 rows x group 4 is past the decode kernel: dense path
+    assert md.slot_mapping is cm.slot_mapping and md.num_actual_tokens == cm.num_actual_tokens
+    # graphs are captured once and replayed for any length: plan for the longest
+    captured = builder.build_for_cudagraph_capture(Step(BATCHES["decode"], 16, "cpu", torch.Generator()).metadata())
+    assert captured.prefill is None
+    assert captured.decode.plan == ops.plan_attention(4, 2, 4, 1, config.model_config.max_model_len, 128)
+    assert captured.decode.plan.workspace_bytes <= md.workspace.numel()
+    assert captured.workspace is md.workspace  # one preallocated buffer for every step and graph
+
+
+def test_profiling_run_returns_zeros(make_config):
+    config = make_config()
+    layer = make_layer(config)
+    output = torch.full((5, 8, 128), float("nan"), dtype=torch.bfloat16)
+    q = torch.randn(5, 8, 128, dtype=torch.bfloat16)
+    layer.impl.forward(layer, q, None, None, torch.empty(0), None, output)
+    assert torch.equal(output, torch.zeros_like(output))
+
+
+def test_rejects_pages_that_are_not_dense(make_config):
+    config = make_config()
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    # LHBNC-like: head slots outside blocks, so a page's bytes are scattered over the buffer
+    heads_outer = torch.zeros(spec.num_heads, NUM_BLOCKS, spec.block_size, spec.state_content_size_bytes,
+                              dtype=torch.uint8)
+    kv_cache = heads_outer.transpose(0, 1)
+    key = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="KV pages must be dense"):
+        layer.impl.do_kv_cache_update(layer, key, key, kv_cache, torch.zeros(1, dtype=torch.int64))
