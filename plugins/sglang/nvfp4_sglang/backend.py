@@ -1,0 +1,194 @@
+"""``nvfp4-xqa``: SGLang attention over its NVFP4 KV pool through nvfp4_backend's ops.
+
+SGLang's pool (``MHATokenToKVPool`` with the ``nvfp4`` recipe) keeps, per layer, token rows
+``k_buffer[l]`` [rows, kv_heads, D/2] uint8 (E2M1 pairs) and ``k_scale_buffer[l]`` [rows,
+kv_heads, D/16] (E4M3 bytes), same for V; slot s = ``out_cache_loc`` / ``req_to_token`` entry is
+token s % page_size of page s // page_size.  ``PagedKVCache.from_token_rows`` views them as pages
+without a copy.  Global (dequant) scales are the recipe's per-layer ``k_scales_gpu`` /
+``v_scales_gpu``, the numbers SGLang's own NVFP4 writer uses, so every writer and reader agree.
+
+Decode and extend (prefill, chunked prefill, mixed) both run ``ops.paged_attention`` over the
+cache after this step's K/V are written into it (bottom-right causal mask); the core chooses
+kernel or dense fallback.  CUDA graphs are captured for decode.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from nvfp4_backend import PagedKVCache, ops
+
+from . import BACKEND_NAME
+
+_NO_SPLIT = ops.AttentionPlan(num_splits=1, workspace_bytes=0)
+
+
+@dataclass
+class ForwardMetadata:
+    """One step's arguments to ``ops.paged_attention`` (views of preallocated buffers in graphs).
+
+    NOTE: seq_len counts every cache position a request sees this step, its new tokens included;
+    its query rows are the last q_len of those positions.
+    """
+    block_table: torch.Tensor      # [batch, pages] int32 page indices (slot // page_size)
+    seq_lens: torch.Tensor         # [batch] int32
+    query_start_loc: torch.Tensor  # [batch + 1] int32 query row offsets
+    max_query_len: int
+    plan: ops.AttentionPlan
+    workspace: torch.Tensor        # uint8 scratch of at least plan.workspace_bytes
+
+
+class NVFP4XQABackend(AttentionBackend):
+    """Decode + extend over SGLang's NVFP4 token-row pool; MHA/GQA decoder layers only."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, MHATokenToKVPool):
+            raise NotImplementedError(
+                f"{BACKEND_NAME} reads SGLang's MHATokenToKVPool; this model got {type(pool).__name__} "
+                "(MLA, hybrid sliding-window and linear-attention pools are not supported)")
+        quant = pool.get_kv_cache_quant_method()
+        if getattr(quant, "name", None) != "nvfp4":
+            raise ValueError(f"{BACKEND_NAME} needs --kv-cache-dtype nvfp4 (pool recipe: "
+                             f"{getattr(quant, 'name', type(quant).__name__)!r})")
+        if pool.k_scale_buffer is None or pool.v_scale_buffer is None:
+            raise RuntimeError(f"the NVFP4 pool allocated no token-linear block scales for {BACKEND_NAME}; "
+                               "the plugin's KV access entry was not registered in this process")
+        self.pool, self.quant = pool, quant
+        self.device = torch.device(model_runner.device)
+        self.page_size = pool.page_size
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token  # [reqs, max_context] int32 slots
+        # Column of each page's first token; the widest request needs ceil(width / page_size) pages.
+        self.max_num_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
+        self._page_cols = torch.arange(self.max_num_pages, device=self.device) * self.page_size
+        cfg = model_runner.model_config
+        self.max_context_len = cfg.context_len
+        # Largest per-rank GQA group: sizes workspaces before any layer is seen (replicated kv
+        # heads under TP only shrink it).
+        self.group_bound = max(cfg.num_attention_heads // max(cfg.num_key_value_heads, 1), 1)
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 132)
+        self._caches: dict[int, PagedKVCache] = {}
+        self._workspace = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._graph: dict[int, ForwardMetadata] = {}
+        self.forward_metadata = None
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> ops.AttentionPlan:
+        if max_query_len > 1:
+            # NOTE: split-KV exists for decode occupancy; an extend has q_len x group rows to spread
+            # over the GPU, and plan_attention sizes its workspace by max_query_len (GBs for a long
+            # prompt), so extends run unsplit.
+            return _NO_SPLIT
+        return ops.plan_attention(batch, self.pool.head_num, self.group_bound, 1, max_seq_len,
+                                  self.pool.head_dim, self.num_sms)
+
+    def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
+        """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""
+        slots = self.req_to_token[req_pool_indices.long()[:, None], self._page_cols[None, :num_pages]]
+        return torch.div(slots, self.page_size, rounding_mode="floor").to(torch.int32)
+
+    def init_forward_metadata(self, forward_batch):
+        """Eager step (prefill, decode, mixed): plan from the host-side lengths SGLang keeps."""
+        fb, mode = forward_batch, forward_batch.forward_mode
+        if mode.is_target_verify() or mode.is_draft_extend_v2() or fb.spec_info is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support speculative decoding ({mode})")
+        bs = fb.batch_size
+        seq_lens = fb.seq_lens[:bs].to(torch.int32)
+        if mode.is_decode_or_idle():
+            max_q = 1 if bs else 0
+            qsl = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+        else:
+            max_q = max(fb.extend_seq_lens_cpu, default=0)
+            qsl = torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens[:bs], 0, dtype=torch.int32), (1, 0))
+        max_seq = int(fb.seq_lens_cpu[:bs].max()) if bs else 0
+        plan = self._plan(bs, max_q, max_seq)
+        if self._workspace.numel() < plan.workspace_bytes:  # grow-only scratch
+            self._workspace = plan.allocate_workspace(self.device)
+        self.forward_metadata = ForwardMetadata(
+            self._page_table(fb.req_pool_indices[:bs], math.ceil(max_seq / self.page_size)),
+            seq_lens, qsl, max_q, plan, self._workspace)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        dev = self.device
+        self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._graph_block_table = torch.zeros(max_bs, self.max_num_pages, dtype=torch.int32, device=dev)
+        self._graph_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)  # one row per request
+        # Plans depend on the batch size only (max_seq_len is the context bound), so a captured
+        # graph stays valid for any lengths; one workspace serves the largest.
+        self._graph_plans = {bs: self._plan(bs, 1, self.max_context_len) for bs in range(1, max_bs + 1)}
+        need = max(p.workspace_bytes for p in self._graph_plans.values())
+        self._graph_workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=dev)
+        self._graph.clear()
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1  # padded requests attend to one (padding-page) token instead of none
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        mode, bs = forward_batch.forward_mode, forward_batch.batch_size
+        if not mode.is_decode_or_idle() or forward_batch.spec_info is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} captures CUDA graphs for plain decode only, got {mode}; "
+                                      "use --cuda-graph-backend-prefill disabled")
+        if in_capture:
+            self._graph[bs] = ForwardMetadata(
+                self._graph_block_table[:bs], self._graph_seq_lens[:bs], self._graph_qsl[:bs + 1], 1,
+                self._graph_plans[bs], self._graph_workspace)
+        elif bs not in self._graph:
+            raise RuntimeError(f"{BACKEND_NAME}: replay of batch size {bs}, which was never captured")
+        self.forward_metadata = self._graph[bs]
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Recorded into the graph: refresh lengths and page table from the runner's static inputs."""
+        md, bs = self.forward_metadata, forward_batch.batch_size
+        md.seq_lens.copy_(forward_batch.seq_lens[:bs])
+        md.block_table.copy_(self._page_table(forward_batch.req_pool_indices[:bs], self.max_num_pages))
+
+    # ------------------------------------------------------------------ forward
+    def _cache(self, layer) -> PagedKVCache:
+        cache = self._caches.get(layer.layer_id)
+        if cache is None:
+            if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+                raise NotImplementedError(f"{BACKEND_NAME} serves causal decoder self-attention only, layer "
+                                          f"{layer.layer_id} is {layer.attn_type} (cross={layer.is_cross_attention})")
+            if layer.qk_head_dim != layer.v_head_dim or layer.qk_head_dim != self.pool.head_dim:
+                raise NotImplementedError(f"{BACKEND_NAME} needs equal K/V head dims matching the pool "
+                                          f"({layer.qk_head_dim}, {layer.v_head_dim}, pool {self.pool.head_dim})")
+            if layer.logit_cap and layer.logit_capping_method != "tanh":
+                raise NotImplementedError(f"logit capping {layer.logit_capping_method!r} is not supported")
+            k, v, k_sf, v_sf = self.pool.get_raw_kv_buffer(layer.layer_id)
+            cache = self._caches[layer.layer_id] = PagedKVCache.from_token_rows(k, k_sf, v, v_sf, self.page_size)
+        return cache
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None, **kwargs):
+        cache = self._cache(layer)
+        lid = layer.layer_id  # global ids index the recipe's scales (views: no host sync)
+        k_g, v_g = self.quant.k_scales_gpu[lid:lid + 1], self.quant.v_scales_gpu[lid:lid + 1]
+        if save_kv_cache and k is not None:
+            shape = (-1, layer.tp_k_head_num, layer.qk_head_dim)
+            ops.write_kv(k.view(shape), v.view(shape), forward_batch.out_cache_loc, cache, k_g, v_g)
+        md = self.forward_metadata
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q3.new_empty(q3.shape)
+        window = layer.sliding_window_size
+        ops.paged_attention(
+            q3, cache, md.block_table, md.seq_lens, md.query_start_loc, k_g, v_g, layer.scaling,
+            max_query_len=md.max_query_len,
+            # SGLang's sliding_window_size is a window_left (HF window - 1); ours counts the query too.
+            sliding_window=window + 1 if window >= 0 else None,
+            logits_soft_cap=layer.logit_cap or None,
+            sinks=None if sinks is None else sinks.float(),
+            out=out, plan=md.plan, workspace=md.workspace)
+        return out.view(-1, layer.tp_q_head_num * layer.qk_head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

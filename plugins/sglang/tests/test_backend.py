@@ -1,0 +1,146 @@
+"""The backend on CPU (the core's reference path) against dense fp64 attention.
+
+Scenarios are named: each runs prefill / chunked prefill / decode steps over a real SGLang NVFP4
+pool with randomly ordered pages, then checks every layer's output and the pool bytes.
+"""
+import pytest
+import torch
+from conftest import Harness, assert_close
+
+from nvfp4_backend import format as fmt
+
+# new tokens per request, step by step (awkward lengths leave partial pages)
+SCENARIOS = {
+    "prefill_then_decode": [({1: 7, 2: 13}, False), ({1: 1, 2: 1}, True), ({1: 1, 2: 1}, True)],
+    "chunked_prefill": [({1: 9}, False), ({1: 6}, False), ({1: 5, 2: 3}, False), ({1: 1, 2: 1}, True)],
+    "mixed_extend": [({1: 5, 2: 4}, False), ({1: 1, 2: 7}, False), ({3: 2, 1: 1}, False)],
+}
+
+
+@pytest.mark.parametrize("steps", SCENARIOS.values(), ids=SCENARIOS.keys())
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_forward_matches_dense(steps, page_size):
+    h = Harness(page_size=page_size)
+    for new, decode in steps:
+        assert_close(h.run_step(h.batch(new, decode=decode)))
+
+
+def test_pool_rows_hold_what_the_format_writes():
+    """K/V land in SGLang's own buffers at out_cache_loc, with the layer's global scale."""
+    h = Harness(page_size=4)
+    fb = h.batch({1: 6, 2: 3})
+    h.backend.init_forward_metadata(fb)
+    layer = h.layers[1]
+    q, k, v = h.qkv(fb, layer)
+    h.backend.forward(q, k, v, layer, fb)
+    loc = fb.out_cache_loc
+    kg, vg = h.scales[1]
+    for x, g, data, sf in ((k, kg, h.pool.k_buffer[1], h.pool.k_scale_buffer[1]),
+                           (v, vg, h.pool.v_buffer[1], h.pool.v_scale_buffer[1])):
+        packed, scales = fmt.quantize(x, g)
+        assert torch.equal(data[loc], packed)
+        assert torch.equal(sf[loc].view(torch.uint8), scales)
+    untouched = torch.ones(h.pool.k_buffer[1].shape[0], dtype=torch.bool)
+    untouched[loc] = False
+    assert not h.pool.k_buffer[1][untouched].any(), "bytes written outside out_cache_loc"
+
+
+def test_save_kv_cache_false_does_not_write():
+    """save_kv_cache=False: the model (or a fused writer) already stored K/V; no second write."""
+    h = Harness(page_size=4)
+    fb = h.batch({1: 5})
+    h.backend.init_forward_metadata(fb)
+    layer = h.layers[0]
+    q, k, v = h.qkv(fb, layer)
+    before = h.pool.k_buffer[0].clone()
+    h.backend.forward(q, k, v, layer, fb, save_kv_cache=False)
+    assert torch.equal(before, h.pool.k_buffer[0])
+
+
+@pytest.mark.parametrize("window_left", [0, 2, 5])
+def test_sliding_window_is_window_left(window_left):
+    """SGLang's sliding_window_size is window_left: position p sees p - window_left .. p."""
+    h = Harness(page_size=4, layers=[{"sliding_window_size": window_left}, {}])
+    assert_close(h.run_step(h.batch({1: 11, 2: 4})))
+    assert_close(h.run_step(h.batch({1: 1, 2: 1}, decode=True)))
+
+
+def test_logit_cap():
+    h = Harness(page_size=4, layers=[{"logit_cap": 2.0}, {}])
+    assert_close(h.run_step(h.batch({1: 8})))
+
+
+def test_cuda_graph_hooks_use_preallocated_buffers():
+    """Capture, then replay with other lengths: same buffers, padded rows ignored, right output."""
+    h = Harness(page_size=4)
+    h.run_step(h.batch({1: 5, 2: 9}))
+    b = h.backend
+    b.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    assert b.get_cuda_graph_seq_len_fill_value() == 1
+
+    capture = h.batch({1: 1, 2: 1}, decode=True, pad_to=4)
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    captured = b.forward_metadata
+    b.init_forward_metadata_in_graph(capture)
+    assert_close(h.run_step(capture, graph_metadata=True))
+
+    replay = h.batch({1: 1, 2: 1}, decode=True, pad_to=4)  # what the runner copies into its buffers
+    b.init_forward_metadata_out_graph(replay)
+    assert b.forward_metadata is captured
+    b.init_forward_metadata_in_graph(replay)  # graph.replay() re-runs these recorded ops
+    assert captured.seq_lens.data_ptr() == b._graph_seq_lens.data_ptr()
+    assert captured.seq_lens.tolist() == replay.seq_lens.tolist()
+    assert_close(h.run_step(replay, graph_metadata=True))
+
+
+def test_graph_capture_rejects_non_decode():
+    h = Harness()
+    h.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    with pytest.raises(NotImplementedError, match="decode only"):
+        h.backend.init_forward_metadata_out_graph(h.batch({1: 3}), in_capture=True)
+
+
+def test_rejects_speculative_modes():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    h = Harness()
+    fb = h.batch({1: 3})
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    with pytest.raises(NotImplementedError, match="speculative"):
+        h.backend.init_forward_metadata(fb)
+
+
+def test_rejects_unsupported_layers():
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+    h = Harness()
+    fb = h.batch({1: 3})
+    h.backend.init_forward_metadata(fb)
+    enc = RadixAttention(8, 64, 0.125, 2, layer_id=0, attn_type=AttentionType.ENCODER_ONLY)
+    q, k, v = h.qkv(fb, enc)
+    with pytest.raises(NotImplementedError, match="decoder self-attention"):
+        h.backend.forward(q, k, v, enc, fb)
+
+
+def test_rejects_pool_without_nvfp4():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    h = Harness()
+    h.runner.token_to_kv_pool = MHATokenToKVPool(size=16, page_size=4, dtype=torch.bfloat16, head_num=2,
+                                                 head_dim=64, layer_num=2, device="cpu",
+                                                 enable_memory_saver=False)
+    with pytest.raises(ValueError, match="--kv-cache-dtype nvfp4"):
+        ATTENTION_BACKENDS["nvfp4-xqa"](h.runner)
+
+
+def test_rejects_pool_without_linear_scales():
+    """SM100 trtllm_mha alone allocates only GenMHA's swizzled scales: fail at build, not later."""
+    with pytest.raises(RuntimeError, match="no token-linear block scales"):
+        Harness(backends=("trtllm_mha", "trtllm_mha"), native_scale_layout=True)
+
+
+@pytest.mark.parametrize("backends", [("nvfp4-xqa", "nvfp4-xqa"), ("flashinfer", "nvfp4-xqa")])
+def test_sm100_layout_keeps_linear_scales_for_us(backends):
+    """On SM100 SGLang gives NATIVE_FP4 readers swizzled scales; the plugin's recipe keeps the
+    token-linear ones for nvfp4-xqa (and allocates no swizzled copy nobody reads)."""
+    h = Harness(backends=backends, native_scale_layout=True)
+    assert h.pool.native_k_scale_buffer is None
+    assert_close(h.run_step(h.batch({1: 6, 2: 2})))
