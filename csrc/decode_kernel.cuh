@@ -387,6 +387,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     const uint8_t* k_scales = stage + 2 * C::kDataStage;
     const uint8_t* v_scales = k_scales + C::kScaleStage;
 
+#ifdef NVFP4_PROFILE_LOADS_ONLY
+    if (threadIdx.x == 0 && k_data[5] == 77 && v_scales[3] == 1) o_acc[0][0][0] += 1.f;
+    continue;
+#endif
 #pragma unroll 1
     for (int step = token_warp; step < kTileTokens / 32; step += C::kTokenWarps) {
       const int tok0 = step * 32;
@@ -398,8 +402,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
           for (int i = 0; i < 4; ++i) s_acc[u][t][i] = 0.f;
+#ifndef NVFP4_PROFILE_SKIP_QK
       qk_tile<T, C, kRowTiles>(s_acc[0], k_data, k_scales, scale_lut, q_frag, tok0, g, c);
       qk_tile<T, C, kRowTiles>(s_acc[1], k_data, k_scales, scale_lut, q_frag, tok0 + 16, g, c);
+#endif
 
       const bool all_visible = pos0 + 31 < end && pos0 + 31 <= first_row_pos &&
                                (p.sliding_window == 0 || pos0 > last_row_pos - p.sliding_window) && !soft_cap;
@@ -459,8 +465,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
           p_frag[u][t][1] = transpose8x8(TT::pack(x[u][2], x[u][3]));
         }
       }
+#ifndef NVFP4_PROFILE_SKIP_PV
       pv_tile<T, C, kRowTiles>(o_acc, v_data, v_scales, scale_lut, p_frag[0], tok0, g, c);
       pv_tile<T, C, kRowTiles>(o_acc, v_data, v_scales, scale_lut, p_frag[1], tok0 + 16, g, c);
+#endif
     }
   }
   cp_async_wait<0>();

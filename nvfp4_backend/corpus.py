@@ -7,7 +7,8 @@ What it is, exactly (``stdlib_prose()``):
    platform is skipped and listed in the metadata).
 2. From each module: the module docstring, then, for every public name in ``sorted(vars(module))``
    that is a class or function *defined in that module* (``__module__`` matches), its docstring,
-   and for a class the docstrings of its public methods, also in sorted order.  Raw ``__doc__``
+   and for a class the docstrings of its public methods and properties defined in that module
+   (so methods other packages patch in are ignored), also in sorted order.  Raw ``__doc__``
    strings only (``inspect.cleandoc``), no inherited ones.
 3. Each docstring is split into paragraphs at blank lines.  A paragraph is kept when it reads as
    prose: at least ``MIN_WORDS`` words, no line that looks like code (doctest prompts, indented
@@ -83,7 +84,9 @@ def _docstrings(module) -> list[str]:
                 member = vars(obj)[meth]
                 if isinstance(member, (staticmethod, classmethod)):
                     member = member.__func__
-                if inspect.isfunction(member) or isinstance(member, property):
+                func = member.fget if isinstance(member, property) else member
+                # only methods defined in this module (other packages monkeypatch stdlib classes)
+                if inspect.isfunction(func) and getattr(func, "__module__", None) == name:
                     out.append(member.__doc__)
     return [d for d in out if isinstance(d, str) and d.strip()]
 
