@@ -294,7 +294,7 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
         if self.kv_sharing_target_layer_name is not None:
             return  # the target layer wrote this cache
         # key/value may be padded past slot_mapping (CUDA-graph padding); slots < 0 are skipped.
-        n = key.shape[0]
+        n = slot_mapping.shape[0]
         ops.write_kv(key[:n], value[:n], slot_mapping, self._paged_cache(kv_cache), layer._k_scale, layer._v_scale)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -151,7 +151,7 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
     cm = step.metadata()
     builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device(device))
     metadata = builder.build(0, cm)
-    impl.do_kv_cache_update(layer, k_step[:new + 1], v_step[:new + 1], kv_cache, slot_mapping)
+    impl.do_kv_cache_update(layer, k_step, v_step, kv_cache, slot_mapping)
     output = torch.full((new + PAD_TOKENS, h, d), float("nan"), dtype=dtype, device=device)
     impl.forward(layer, q.to(device), k_step, v_step, kv_cache, metadata, output)
 
