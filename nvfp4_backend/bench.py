@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--spec-q-len", type=int, default=4, help="also time q_len tokens per request (0: skip)")
     p.add_argument("--no-peers", action="store_true", help="skip FlashInfer even if importable")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--blocks-per-sm", type=int, default=None, help="override the split planner's target")
     p.add_argument("--out", default="bench.json")
     p.add_argument("--plot", default="bench.png")
 
@@ -194,6 +195,8 @@ def run(args) -> int:
         print("nvfp4-backend bench needs a CUDA GPU (none is visible to torch here).", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
+    if args.blocks_per_sm:
+        ops.SPLIT_BLOCKS_PER_SM = args.blocks_per_sm
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     grid = DEFAULT_GRID if not args.grid else [tuple(int(x) for x in c.split("x")) for c in args.grid.split(",")]

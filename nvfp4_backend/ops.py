@@ -121,6 +121,8 @@ class AttentionPlan:
 
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
+SPLIT_BLOCKS_PER_SM = 4
+"""Thread blocks per SM the split count aims for (resident ones plus a few waves to even the tail)."""
 
 
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
@@ -132,8 +134,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     """
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    # about four resident thread blocks per SM keep enough bytes in flight
-    splits = max(1, min(math.ceil(4 * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    splits = max(1, min(math.ceil(SPLIT_BLOCKS_PER_SM * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row

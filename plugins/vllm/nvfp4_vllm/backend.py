@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
 
 from nvfp4_backend import PagedKVCache, ops
 from nvfp4_backend import format as fmt
-from nvfp4_backend.jit import decode_supports
+from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
 
 from . import BACKEND_NAME, KV_CACHE_DTYPE
 
@@ -168,6 +168,12 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         self.max_model_len = model_config.max_model_len
         # Spec-decode verification rows (1 + k tokens) count as decodes.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        if torch.device(device).type == "cuda" and vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs() \
+                and not kernels_available(torch.device(device)):
+            # The reference fallback syncs with the host, which a CUDA graph capture cannot hold.
+            raise RuntimeError(f"{BACKEND_NAME}: the CUDA kernels are unavailable on {device} "
+                               f"({unavailable_reason(torch.cuda.get_device_capability(device))}); full CUDA "
+                               f"graphs need them: fix the build or run with --enforce-eager")
         # Off CUDA (tests) the plan is only bookkeeping: keep the core's default SM count.
         self.plan_kwargs = {"num_sms": torch.cuda.get_device_properties(device).multi_processor_count} \
             if torch.device(device).type == "cuda" else {}
