@@ -194,6 +194,7 @@ __device__ __forceinline__ void qk_tile(float (&s_acc)[kRowTiles][4], const uint
     sfa = *reinterpret_cast<const uint32_t*>(k_scales + ka * C::kScaleBytes + 4 * c);
     sfb = *reinterpret_cast<const uint32_t*>(k_scales + kb * C::kScaleBytes + 4 * c);
   }
+  float odd_acc[kRowTiles][4] = {};  // odd k-steps: two independent MMA chains instead of one
 #pragma unroll
   for (int blk = 0; blk < C::kKScales; ++blk) {
     const uint32_t sa = lut[(sfa >> (8 * blk)) & 0xFF], sb = lut[(sfb >> (8 * blk)) & 0xFF];
@@ -208,10 +209,15 @@ __device__ __forceinline__ void qk_tile(float (&s_acc)[kRowTiles][4], const uint
         const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
                                mul2<T>(pb[2 * h + 1], sb)};
 #pragma unroll
-        for (int t = 0; t < kRowTiles; ++t) mma<T>(s_acc[t], a, q_frag[t][2 * w + h][0], q_frag[t][2 * w + h][1]);
+        for (int t = 0; t < kRowTiles; ++t)
+          mma<T>(h ? odd_acc[t] : s_acc[t], a, q_frag[t][2 * w + h][0], q_frag[t][2 * w + h][1]);
       }
     }
   }
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s_acc[t][i] += odd_acc[t][i];
 }
 
 // O^T += V^T P^T for the 16 tokens at smem row tok0; thread c holds tokens 4c..4c+3 and
