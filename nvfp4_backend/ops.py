@@ -42,14 +42,22 @@ def _check_tensor(name: str, t, dtypes, dim: int | None = None, device: torch.de
         raise ValueError(f"{name} is on {t.device}, expected {device} (the cache's device)")
 
 
+def _host_checks() -> bool:
+    """Value checks that read tensor contents run eagerly only: under torch.compile they would be
+    data-dependent, and on a GPU they would synchronize (and break CUDA-graph capture)."""
+    return not torch.compiler.is_compiling()
+
+
 def _check_global_scale(name: str, t, device: torch.device) -> torch.Tensor:
-    if isinstance(t, (int, float)):
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
         if not (t > 0 and math.isfinite(t)):
             raise ValueError(f"{name} must be a positive finite number, got {t}")
         return torch.tensor(float(t), dtype=torch.float32, device=device)
     _check_tensor(name, t, (torch.float32,), device=device)
     if t.numel() != 1:
         raise ValueError(f"{name} must hold one fp32 value, got shape {tuple(t.shape)}")
+    if device.type == "cpu" and _host_checks() and not (float(t) > 0 and math.isfinite(float(t))):
+        raise ValueError(f"{name} must be positive and finite, got {float(t)}")
     return t.reshape(())
 
 
@@ -80,7 +88,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     _check_tensor("slot_mapping", slot_mapping, (torch.int64, torch.int32), 1, dev)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-    if dev.type == "cpu" and slot_mapping.numel() and int(slot_mapping.max()) >= cache.num_slots:
+    if dev.type == "cpu" and _host_checks() and slot_mapping.numel() and int(slot_mapping.max()) >= cache.num_slots:
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {cache.num_slots} slots")
     kg = _check_global_scale("k_global_scale", k_global_scale, dev)
     vg = _check_global_scale("v_global_scale", v_global_scale, dev)
@@ -176,18 +184,22 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
     if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    if logits_soft_cap is not None and logits_soft_cap < 0:
-        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    if logits_soft_cap is not None and not (logits_soft_cap >= 0 and math.isfinite(logits_soft_cap)):
+        raise ValueError(f"logits_soft_cap must be positive and finite or None, got {logits_soft_cap}")
     if sinks is not None:
         _check_tensor("sinks", sinks, (torch.float32,), 1, dev)
         if sinks.shape[0] != q.shape[1]:
             raise ValueError(f"sinks must have one value per q head ({q.shape[1]}), got {sinks.shape[0]}")
     kg = _check_global_scale("k_global_scale", k_global_scale, dev)
     vg = _check_global_scale("v_global_scale", v_global_scale, dev)
+    if dev.type == "cpu" and _host_checks() and batch:
+        _check_ranges(q, cache, block_table, seq_lens, query_start_loc)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)
     else:
         _check_tensor("out", out, (q.dtype,), 3, dev)
         if out.shape != q.shape:
@@ -201,6 +213,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                               max_seq_len, cache.head_dim, sms)
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
+    elif workspace.device != dev:
+        raise ValueError(f"workspace is on {workspace.device}, expected {dev} (the cache's device)")
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
     torch.ops.nvfp4_backend.paged_attention(
@@ -217,6 +231,22 @@ def _kernel_aligned(k_data, k_block_scales, v_data) -> bool:
     return (all(st % 16 == 0 for st in k_data.stride()[:3]) and k_data.data_ptr() % 16 == 0
             and v_data.data_ptr() % 16 == 0 and all(st % sf == 0 for st in k_block_scales.stride()[:3])
             and k_block_scales.data_ptr() % sf == 0)
+
+
+def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
+    """Index ranges, checked where reading them is free (CPU tensors)."""
+    qsl = query_start_loc.tolist()
+    if any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[0] < 0 or qsl[-1] > q.shape[0]:
+        raise ValueError(f"query_start_loc must rise from >= 0 to <= {q.shape[0]} query tokens, got {qsl}")
+    lens = seq_lens.tolist()
+    capacity = block_table.shape[1] * cache.page_size
+    if min(lens) < 0 or max(lens) > capacity:
+        raise ValueError(f"seq_lens must lie in [0, {capacity}] (block_table width x page_size), got max {max(lens)}")
+    pages = [(s + cache.page_size - 1) // cache.page_size for s in lens]
+    for b, n in enumerate(pages):
+        row = block_table[b, :n]
+        if n and (int(row.min()) < 0 or int(row.max()) >= cache.num_pages):
+            raise ValueError(f"block_table row {b} holds a page outside [0, {cache.num_pages})")
 
 
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
