@@ -225,8 +225,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
             decode = self._call(cm, (0, num_decodes), (0, num_decode_tokens),
                                 min(cm.max_query_len, self.reorder_batch_threshold), max_seq_len)
         if num_prefills:
-            decode_end = num_decodes + num_prefills
-            prefill = self._call(cm, (num_decodes, decode_end),
+            prefill = self._call(cm, (num_decodes, num_decodes + num_prefills),
                                  (num_decode_tokens, num_decode_tokens + num_prefill_tokens),
                                  cm.max_query_len, max_seq_len)
         return Nvfp4XqaMetadata(cm.num_actual_tokens, cm.slot_mapping, decode, prefill, self.workspace)

@@ -86,14 +86,18 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     ok &= torch.equal(other_before, vllm_layer_view(raw, layout, layer=0))
     seq_lens = seq_lens.clamp(max=12 * BLOCK)
 
-    # decode: plan for max_model_len once, capture, replay after the sequences grew
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    plan = ops.plan_attention(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
+    # decode: plan for max_model_len once, capture, replay after the sequences grew.  Like vLLM's
+    # FULL graphs, the batch is padded to the capture size with requests of 0 query tokens and
+    # 0 cached tokens.
+    pad = 4
+    qsl = torch.cat([torch.arange(batch + 1), torch.full((pad,), batch)]).to(torch.int32)
+    plan = ops.plan_attention(batch + pad, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
                               torch.cuda.get_device_properties(DEV).multi_processor_count)
     workspace = plan.allocate_workspace(DEV)
     q = torch.randn(batch, NUM_HEADS, HEAD, generator=gen).bfloat16().to(DEV)
     out = torch.empty_like(q)
-    d_seq, d_bt, d_qsl = (seq_lens // 2).clamp(min=1).to(DEV), block_table.to(DEV), qsl.to(DEV)
+    padded = lambda x: torch.cat([x, torch.zeros((pad, *x.shape[1:]), dtype=x.dtype)])
+    d_seq, d_bt, d_qsl = padded((seq_lens // 2).clamp(min=1)).to(DEV), padded(block_table).to(DEV), qsl.to(DEV)
 
     def decode():
         ops.paged_attention(q, cache, d_bt, d_seq, d_qsl, k_scale, v_scale, HEAD ** -0.5, max_query_len=1,
@@ -104,13 +108,13 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decode()
-    d_seq.copy_(seq_lens.to(DEV))  # the next steps: longer sequences, new queries
+    d_seq.copy_(padded(seq_lens).to(DEV))  # the next steps: longer sequences, new queries
     q.copy_(torch.randn(q.shape, generator=gen).bfloat16().to(DEV))
     graph.replay()
     torch.cuda.synchronize()
-    want = reference.paged_attention_ref(q.cpu(), cpu, block_table, seq_lens, qsl, k_scale.cpu(), v_scale.cpu(),
-                                         HEAD ** -0.5)
-    ok &= check(f"decode x{batch} graph replay (splits={plan.num_splits})", out, want)
+    want = reference.paged_attention_ref(q.cpu(), cpu, block_table, seq_lens, qsl[:batch + 1], k_scale.cpu(),
+                                         v_scale.cpu(), HEAD ** -0.5)
+    ok &= check(f"decode {batch}+{pad} pad, graph replay (splits={plan.num_splits})", out, want)
     t0 = time.perf_counter()
     for _ in range(20):
         graph.replay()

@@ -31,6 +31,7 @@ LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCach
 # (decodes first); lengths leave partial last pages.
 BATCHES = {
     "decode": [(15, 1), (39, 1), (32, 1), (0, 1)],
+    "graph_padded_decode": [(15, 1), (39, 1), (0, 0), (0, 0)],  # FULL-graph padding requests
     "mixed": [(20, 1), (47, 1), (10, 37), (5, 3), (0, 64)],
     "short_extends": [(30, 3), (17, 4)],
     "prefill": [(0, 70), (0, 9)],
