@@ -42,7 +42,7 @@ def sglang(session):
     """The SGLang plugin against the real sglang 0.5.23 package (GPU tests skip without CUDA).
 
     sglang's own requirements pin CUDA-only wheels (flashinfer, sglang-kernel, deep-gemm, ...), so
-    it is installed without them, plus exactly the pure-Python packages that importing its
+    it is installed without them, plus exactly the CPU-only packages that importing its
     registry, server args, resolution steps, KV pools and attention base pulls in (found by
     importing until nothing was missing; pins follow sglang's own where it has one).
     """

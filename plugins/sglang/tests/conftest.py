@@ -135,7 +135,7 @@ class Harness:
                 dst.extend(fmt.dequantize(*fmt.quantize(x[row:row + n].cpu(), g), g, torch.float64))
             row += n
 
-    def expected(self, fb, layer, q):
+    def expected(self, fb, layer, q, sinks=None):
         """Dense fp64 causal attention of the batch's real query rows over the recorded K/V."""
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.head_dim).cpu().double()
         group = layer.tp_q_head_num // layer.tp_k_head_num
@@ -152,11 +152,13 @@ class Harness:
                 s = torch.einsum("hd,lhd->hl", q[row + i], K[lo:pos + 1]) * layer.scaling
                 if layer.logit_cap:
                     s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
-                out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), V[lo:pos + 1]))
+                if sinks is not None:  # one extra logit per head that takes probability, no value
+                    s = torch.cat([s, sinks.double().cpu()[:, None]], -1)
+                out.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1)[:, :pos + 1 - lo], V[lo:pos + 1]))
             row += n
         return torch.stack(out).flatten(1)
 
-    def run_step(self, fb, *, graph_metadata=False):
+    def run_step(self, fb, *, graph_metadata=False, sinks=None):
         """Write + attend every layer through the backend; returns [(got, want)] per layer."""
         if not graph_metadata:
             self.backend.init_forward_metadata(fb)
@@ -164,9 +166,10 @@ class Harness:
         real = sum(fb.nvfp4_test_new.values())
         for layer in self.layers:
             q, k, v = self.qkv(fb, layer)
-            got = self.backend.forward(q, k, v, layer, fb)
+            extra = {} if sinks is None else {"sinks": sinks}
+            got = self.backend.forward(q, k, v, layer, fb, **extra)
             self.record(fb, layer, k, v)
-            results.append((got[:real].float().cpu(), self.expected(fb, layer, q[:real]).float()))
+            results.append((got[:real].float().cpu(), self.expected(fb, layer, q[:real], sinks).float()))
         return results
 
 

@@ -70,6 +70,14 @@ def test_logit_cap():
     assert_close(h.run_step(h.batch({1: 8})))
 
 
+def test_attention_sinks():
+    """gpt-oss passes bf16 sinks [q_heads] as a kwarg; large sinks visibly shrink the output."""
+    h = Harness(page_size=4)
+    sinks = (torch.randn(8, generator=h.gen) * 2).to(torch.bfloat16)
+    assert_close(h.run_step(h.batch({1: 7, 2: 2}), sinks=sinks))
+    assert_close(h.run_step(h.batch({1: 1, 2: 1}, decode=True), sinks=sinks))
+
+
 def test_cuda_graph_hooks_use_preallocated_buffers():
     """Capture, then replay with other lengths: same buffers, padded rows ignored, right output."""
     h = Harness(page_size=4)
