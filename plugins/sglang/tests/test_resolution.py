@@ -83,8 +83,9 @@ def test_page_size_given_is_kept(tiny_model_dir):
     (["--attention-backend", "nvfp4-xqa"], CPU, RuntimeError, "needs a CUDA GPU"),
     (["--decode-attention-backend", "nvfp4-xqa"], SM89, RuntimeError, r"needs compute capability >= 9.0"),
     (["--attention-backend", "nvfp4-xqa", "--enable-unified-memory"], SM120, ValueError, "unified-memory"),
+    (["--attention-backend", "nvfp4-xqa", "--page-size", "24"], SM120, ValueError, "power-of-two --page-size"),
 ], ids=["dequant_dtype_single", "prefill_only", "other_prefill", "native_prefill", "cpu", "sm89_decode_only",
-        "unified_memory"])
+        "unified_memory", "page_size_24"])
 def test_rejections_name_the_argument(tiny_model_dir, argv, platform, error, match):
     with pytest.raises(error, match=match):
         resolve(parse(tiny_model_dir, *argv), platform)
