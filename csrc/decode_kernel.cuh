@@ -258,8 +258,11 @@ __device__ __forceinline__ void pv_tile(float (&o_acc)[kRowTiles][C::kDTiles][4]
 }
 
 // ------------------------------------------------------------------ the kernel
+#ifndef NVFP4_DECODE_MIN_BLOCKS
+#define NVFP4_DECODE_MIN_BLOCKS 1
+#endif
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kRowTiles == 1 ? NVFP4_DECODE_MIN_BLOCKS : 1)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   using TT = TypeTraits<T>;

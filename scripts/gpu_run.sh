@@ -21,7 +21,7 @@ case $mode in
                --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -12
              for v in "$@"; do  # variants: "nvcc flags|bench args", each its own build
                NVFP4_BACKEND_NVCC_FLAGS="${v%%|*}" python3 -m nvfp4_backend.cli bench $( [[ $v == *"|"* ]] && echo "${v#*|}" ) --no-peers --grid ${VARIANT_GRID:-64x8192,1x131072,128x512} \
-                 --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | tail -4 | sed "s|^|[$v] |"
+                 --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | tail -4 | awk -v p="[$v] " '{print p $0}'
              done ;;
   peers) python3 -m nvfp4_backend.cli bench --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
 esac
