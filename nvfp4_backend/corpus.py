@@ -28,6 +28,7 @@ import importlib
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 
 MODULES = (
@@ -114,7 +115,10 @@ def stdlib_prose(modules: tuple[str, ...] = MODULES) -> Corpus:
             skipped.append(name)
             continue
         read.append(name)
-        for doc in _docstrings(module):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. typing.io's deprecation warning on attribute access
+            docs = _docstrings(module)
+        for doc in docs:
             for para in re.split(r"\n\s*\n", inspect.cleandoc(doc)):
                 if not is_prose(para):
                     continue
