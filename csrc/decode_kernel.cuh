@@ -29,6 +29,8 @@ namespace decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kTileTokens = 64;          // tokens per pipeline stage
+constexpr int kStages = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
 
@@ -135,11 +137,6 @@ template <int kHeadDim, int kRowTiles, int kRowWarps>
 struct Config {
   static constexpr int kDataBytes = kHeadDim / 2;       // per token-head
   static constexpr int kScaleBytes = kHeadDim / 16;
-  static constexpr int kTileTokens = 128;               // tokens per pipeline stage, one per thread
-#ifndef NVFP4_DECODE_STAGES
-#define NVFP4_DECODE_STAGES 3
-#endif
-  static constexpr int kStages = kHeadDim <= 128 ? NVFP4_DECODE_STAGES : 2;
   static constexpr int kTokenWarps = kWarps / kRowWarps;
   static constexpr int kRowsPerWarp = kRowTiles * 8;
   static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
@@ -147,10 +144,10 @@ struct Config {
   static constexpr int kDTiles = kHeadDim / 16;          // PV m-tiles over the head dim
   static constexpr int kKChunk = kDataBytes / 4;         // K bytes per thread per token
   static constexpr int kVChunk = kDataBytes / 8;         // V bytes per thread per token
-  static constexpr int kKScales = kKChunk / 8;           // K block scales per thread per token
   // data rows are padded by 32 bytes every 4 rows so the V reads of a warp (4 rows, 4 apart)
   // fall in different banks
-  static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * 32; }
+  static constexpr int kRowPad = 32;
+  static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * kRowPad; }
   static constexpr int kDataStage = data_offset(kTileTokens);
   static constexpr int kScaleStage = kTileTokens * kScaleBytes;
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
@@ -158,117 +155,21 @@ struct Config {
   static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
   static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
-  static_assert(kTileTokens == kThreads, "the loader gives each thread one token of a stage");
-  static_assert(kTileTokens % (32 * kTokenWarps) == 0, "each warp takes 32-token steps");
+  static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
+  static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
 };
 
 // Token within a 16-token MMA tile held at MMA row m: rows (2c, 2c+1, 2c+8, 2c+9) are the
 // 4 consecutive tokens 4c..4c+3, so the PV operand of thread c reads 4 adjacent rows.
 __device__ __forceinline__ int tile_token(int m) { return 4 * ((m & 7) >> 1) + (m & 1) + ((m >> 3) << 1); }
 
-template <int kBytes>
-__device__ __forceinline__ void load_smem(uint32_t* dst, const uint8_t* src) {
-  if constexpr (kBytes == 4) dst[0] = *reinterpret_cast<const uint32_t*>(src);
-  if constexpr (kBytes == 8) *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
-#pragma unroll
-  for (int i = 0; i < kBytes / 16; ++i) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-}
-
-// S^T (16 tokens x 8 rows per row tile) += K Q^T for the 16 tokens at smem row tok0.
-template <typename T, typename C, int kRowTiles>
-__device__ __forceinline__ void qk_tile(float (&s_acc)[kRowTiles][4], const uint8_t* k_data, const uint8_t* k_scales,
-                                        const uint32_t* lut, const uint32_t (&q_frag)[kRowTiles][C::kKSteps][2],
-                                        int tok0, int g, int c) {
-  const int ka = tok0 + tile_token(g), kb = tok0 + tile_token(g + 8);
-  uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
-  load_smem<C::kKChunk>(kwa, k_data + C::data_offset(ka) + c * C::kKChunk);
-  load_smem<C::kKChunk>(kwb, k_data + C::data_offset(kb) + c * C::kKChunk);
-  uint32_t sfa = 0, sfb = 0;  // this thread's kKScales scale bytes of each token
-  if constexpr (C::kKScales == 1) {
-    sfa = k_scales[ka * C::kScaleBytes + c];
-    sfb = k_scales[kb * C::kScaleBytes + c];
-  } else if constexpr (C::kKScales == 2) {
-    sfa = *reinterpret_cast<const uint16_t*>(k_scales + ka * C::kScaleBytes + 2 * c);
-    sfb = *reinterpret_cast<const uint16_t*>(k_scales + kb * C::kScaleBytes + 2 * c);
-  } else {
-    sfa = *reinterpret_cast<const uint32_t*>(k_scales + ka * C::kScaleBytes + 4 * c);
-    sfb = *reinterpret_cast<const uint32_t*>(k_scales + kb * C::kScaleBytes + 4 * c);
-  }
-  float odd_acc[kRowTiles][4] = {};  // odd k-steps: two independent MMA chains instead of one
-#pragma unroll
-  for (int blk = 0; blk < C::kKScales; ++blk) {
-    const uint32_t sa = lut[(sfa >> (8 * blk)) & 0xFF], sb = lut[(sfb >> (8 * blk)) & 0xFF];
-#pragma unroll
-    for (int w2 = 0; w2 < 2; ++w2) {
-      const int w = blk * 2 + w2;
-      uint32_t pa[4], pb[4];
-      unpack_word<T>(kwa[w], pa);
-      unpack_word<T>(kwb[w], pb);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // two k-steps per word
-        const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
-                               mul2<T>(pb[2 * h + 1], sb)};
-#pragma unroll
-        for (int t = 0; t < kRowTiles; ++t)
-          mma<T>(h ? odd_acc[t] : s_acc[t], a, q_frag[t][2 * w + h][0], q_frag[t][2 * w + h][1]);
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < kRowTiles; ++t)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s_acc[t][i] += odd_acc[t][i];
-}
-
-// O^T += V^T P^T for the 16 tokens at smem row tok0; thread c holds tokens 4c..4c+3 and
-// head-dim bytes [g * kVChunk, +kVChunk) of each.
-template <typename T, typename C, int kRowTiles>
-__device__ __forceinline__ void pv_tile(float (&o_acc)[kRowTiles][C::kDTiles][4], const uint8_t* v_data,
-                                        const uint8_t* v_scales, const uint32_t* lut,
-                                        const uint32_t (&p_frag)[kRowTiles][2], int tok0, int g, int c) {
-  const int v0 = tok0 + 4 * c;
-  uint32_t vw[4][C::kVChunk / 4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) load_smem<C::kVChunk>(vw[r], v_data + C::data_offset(v0 + r) + g * C::kVChunk);
-  uint32_t s01 = 0, s23 = 0;
-#pragma unroll
-  for (int w = 0; w < C::kVChunk / 4; ++w) {
-    if (w % 2 == 0) {  // 8 bytes per block scale: a new scale every second word
-      const int sidx = (g * C::kVChunk + 4 * w) / 8;
-      uint32_t sv[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) sv[r] = lut[v_scales[(v0 + r) * C::kScaleBytes + sidx]];
-      s01 = __byte_perm(sv[0], sv[1], 0x7610);  // (scale of token 4c, scale of token 4c+1)
-      s23 = __byte_perm(sv[2], sv[3], 0x7610);
-    }
-    // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
-    uint32_t p01[8], p23[8];
-    unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
-    unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
-    unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
-    unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles (2 head-dim rows each)
-      const uint32_t a[4] = {mul2<T>(p01[2 * q], s01), mul2<T>(p01[2 * q + 1], s01), mul2<T>(p23[2 * q], s23),
-                             mul2<T>(p23[2 * q + 1], s23)};
-#pragma unroll
-      for (int t = 0; t < kRowTiles; ++t) mma<T>(o_acc[t][w * 4 + q], a, p_frag[t][0], p_frag[t][1]);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ the kernel
-#ifndef NVFP4_DECODE_MIN_BLOCKS
-#define NVFP4_DECODE_MIN_BLOCKS 1
-#endif
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads, kRowTiles == 1 ? NVFP4_DECODE_MIN_BLOCKS : 1)
+__global__ void __launch_bounds__(kThreads)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   using TT = TypeTraits<T>;
-  constexpr int kTileTokens = C::kTileTokens, kStages = C::kStages;
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ uint32_t scale_lut[256];  // E4M3 byte -> (scale * bias) as a T x2 pair
 
   const int split = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -290,12 +191,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int end = min(begin + split_len, seq_len);
   const int num_tiles = end > begin ? (end - begin + kTileTokens - 1) / kTileTokens : 0;
 
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_to_float(i));
-  const float qk_scale_log2 = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias * kLog2e;
-  const bool soft_cap = p.logits_soft_cap > 0.f;
-  // a 32-token step is fully visible to every row when it ends before the first row's
-  // position and starts inside the last row's window
-  const int first_row_pos = seq_len - q_len, last_row_pos = seq_len - 1;
+  const float qk_scale = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias;
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
   uint32_t q_frag[kRowTiles][C::kKSteps][2];
@@ -311,8 +207,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int s = 0; s < C::kKSteps; ++s) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // k-step s, slot half: pair (s % 2) * 2 + half of word s / 2 of this thread's K chunk
-        const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half);
+        // k-step s, slot half: pair j of word s/2 of this thread's K chunk
+        const int j = (s & 1) * 2 + half;
+        const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element(j);
         const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
         q_frag[t][s][half] = lo | (hi << 16);
       }
@@ -324,48 +221,35 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   }
 
-  // ---------------- pipeline: each warp copies whole 16-byte pieces of consecutive token rows,
-  // so one cp.async instruction covers contiguous 512-byte runs (HND) and every 32-byte sector
-  // is fetched once
-  constexpr int kPieces = C::kDataBytes / 16;           // 16-byte pieces per token row
-  constexpr int kRoundTokens = kThreads / kPieces;      // tokens one round of copies covers
-  constexpr int kRounds = kTileTokens / kRoundTokens;
-  const int piece = threadIdx.x % kPieces, round_token = threadIdx.x / kPieces;
+  // ---------------- pipeline: thread -> (token, half) of each stage
+  const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
   const int page_mask = (1 << p.page_size_log2) - 1;
   const int* table = p.block_table + (int64_t)req * p.block_table_stride;
-  int next_page[kRounds];  // prefetched one stage ahead: the table read is off the critical path
-  auto prefetch_pages = [&](int tile) {
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      const int pos = begin + tile * kTileTokens + r * kRoundTokens + round_token;
-      next_page[r] = (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
-    }
+  auto page_of = [&](int tile) -> int {
+    const int pos = begin + tile * kTileTokens + load_token;
+    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
-  prefetch_pages(0);
+  int next_page = page_of(0);
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
-      int page[kRounds];
-#pragma unroll
-      for (int r = 0; r < kRounds; ++r) page[r] = next_page[r];
-      prefetch_pages(tile + 1);
+      const int page = next_page;
+      next_page = page_of(tile + 1);
+      const int pos = begin + tile * kTileTokens + load_token;
+      const bool valid = page >= 0;
+      const int64_t off = valid ? (int64_t)page * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
+                                      (int64_t)kv_head * p.data_strides.head : 0;
+      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
+                                       (int64_t)kv_head * p.scale_strides.head : 0;
       uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+      constexpr int kHalf = C::kDataBytes / 2;
+      const int dst = C::data_offset(load_token) + load_half * kHalf;
 #pragma unroll
-      for (int r = 0; r < kRounds; ++r) {
-        const int token = r * kRoundTokens + round_token;
-        const int pos = begin + tile * kTileTokens + token;
-        const bool valid = page[r] >= 0;  // else zero-fill: a token past the end reads as 0, never NaN
-        const int64_t row = valid ? (int64_t)page[r] * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
-                                        (int64_t)kv_head * p.data_strides.head : 0;
-        const int dst = C::data_offset(token) + piece * 16;
-        cp_async<16>(stage + dst, p.k_data + row + piece * 16, valid);
-        cp_async<16>(stage + C::kDataStage + dst, p.v_data + row + piece * 16, valid);
-        if (piece < 2) {
-          const int64_t srow = valid ? (int64_t)page[r] * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
-                                           (int64_t)kv_head * p.scale_strides.head : 0;
-          cp_async<C::kScaleBytes>(stage + 2 * C::kDataStage + piece * C::kScaleStage + token * C::kScaleBytes,
-                                   (piece ? p.v_block_scales : p.k_block_scales) + srow, valid);
-        }
+      for (int b = 0; b < kHalf; b += 16) {
+        cp_async<16>(stage + dst + b, p.k_data + off + load_half * kHalf + b, valid);
+        cp_async<16>(stage + C::kDataStage + dst + b, p.v_data + off + load_half * kHalf + b, valid);
       }
+      uint8_t* sdst = stage + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
+      cp_async<C::kScaleBytes>(sdst, (load_half ? p.v_block_scales : p.k_block_scales) + soff, valid);
     }
     cp_async_commit();
   };
@@ -396,88 +280,115 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     const uint8_t* k_scales = stage + 2 * C::kDataStage;
     const uint8_t* v_scales = k_scales + C::kScaleStage;
 
-#ifdef NVFP4_PROFILE_LOADS_ONLY
-    if (threadIdx.x == 0 && k_data[5] == 77 && v_scales[3] == 1) o_acc[0][0][0] += 1.f;
-    continue;
-#endif
-#pragma unroll 1
-    for (int step = token_warp; step < kTileTokens / 32; step += C::kTokenWarps) {
-      const int tok0 = step * 32;
+#pragma unroll
+    for (int sub = token_warp; sub < kTileTokens / 16; sub += C::kTokenWarps) {
+      const int tok0 = sub * 16;
       const int pos0 = begin + tile * kTileTokens + tok0;
-      float s_acc[2][kRowTiles][4];
+      // ---- S^T = K Q^T
+      float s_acc[kRowTiles][4];
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+      for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
-        for (int t = 0; t < kRowTiles; ++t)
+        for (int i = 0; i < 4; ++i) s_acc[t][i] = 0.f;
+      const int ka = tok0 + tile_token(g), kb = tok0 + tile_token(g + 8);
+      uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s_acc[u][t][i] = 0.f;
-#ifndef NVFP4_PROFILE_SKIP_QK
-      qk_tile<T, C, kRowTiles>(s_acc[0], k_data, k_scales, scale_lut, q_frag, tok0, g, c);
-      qk_tile<T, C, kRowTiles>(s_acc[1], k_data, k_scales, scale_lut, q_frag, tok0 + 16, g, c);
-#endif
-
-      const bool all_visible = pos0 + 31 < end && pos0 + 31 <= first_row_pos &&
-                               (p.sliding_window == 0 || pos0 > last_row_pos - p.sliding_window) && !soft_cap;
-      uint32_t p_frag[2][kRowTiles][2];
+      for (int w = 0; w < C::kKChunk / 4; w += 2) {
+        *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(ka) + c * C::kKChunk + 4 * w);
+        *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(kb) + c * C::kKChunk + 4 * w);
+      }
+#pragma unroll
+      for (int blk = 0; blk < C::kKChunk / 8; ++blk) {  // one E4M3 scale per 8 bytes
+        const int sidx = c * (C::kKChunk / 8) + blk;
+        const uint32_t sa = TT::scale2(e4m3_to_float(k_scales[ka * C::kScaleBytes + sidx]));
+        const uint32_t sb = TT::scale2(e4m3_to_float(k_scales[kb * C::kScaleBytes + sidx]));
+#pragma unroll
+        for (int w2 = 0; w2 < 2; ++w2) {
+          const int w = blk * 2 + w2;
+          uint32_t pa[4], pb[4];
+          unpack_word<T>(kwa[w], pa);
+          unpack_word<T>(kwb[w], pb);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // two k-steps per word
+            const int s = 2 * w + h;
+            const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
+                                   mul2<T>(pb[2 * h + 1], sb)};
+#pragma unroll
+            for (int t = 0; t < kRowTiles; ++t) mma<T>(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+          }
+        }
+      }
+      // ---- online softmax over this 16-token tile
+      uint32_t p_frag[kRowTiles][2];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
-        float x[2][4];
+        float x[4];
 #pragma unroll
-        for (int u = 0; u < 2; ++u)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if (all_visible) {
-              x[u][i] = s_acc[u][t][i] * qk_scale_log2;
-            } else {
-              const int pos = pos0 + 16 * u + (i < 2 ? tile_token(g) : tile_token(g + 8));
-              const int qpos = row_pos[t][i & 1];
-              float v = s_acc[u][t][i] * (qk_scale_log2 / kLog2e);
-              if (soft_cap) v = p.logits_soft_cap * tanhf(v / p.logits_soft_cap);
-              bool ok = pos < end && pos <= qpos;
-              if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
-              x[u][i] = ok ? v * kLog2e : -INFINITY;
-            }
-          }
-        float alpha[2];
+        for (int i = 0; i < 4; ++i) {
+          const int pos = pos0 + (i < 2 ? tile_token(g) : tile_token(g + 8));
+          const int qpos = row_pos[t][i & 1];
+          float v = s_acc[t][i] * qk_scale;
+          if (p.logits_soft_cap > 0.f) v = p.logits_soft_cap * tanhf(v / p.logits_soft_cap);
+          bool ok = pos < end && pos <= qpos;
+          if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
+          x[i] = ok ? v * kLog2e : -INFINITY;
+        }
+        float p_val[4];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          float m = fmaxf(fmaxf(x[0][i], x[0][i + 2]), fmaxf(x[1][i], x[1][i + 2]));
+          float m = fmaxf(x[i], x[i + 2]);
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
           const float m_new = fmaxf(row_max[t][i], m);
           const float base = m_new == -INFINITY ? 0.f : m_new;
-          alpha[i] = exp2f(row_max[t][i] - base);
+          const float alpha = exp2f(row_max[t][i] - base);
           row_max[t][i] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            x[u][i] = exp2f(x[u][i] - base);
-            x[u][i + 2] = exp2f(x[u][i + 2] - base);
-            sum += x[u][i] + x[u][i + 2];
-          }
-          row_sum[t][i] = row_sum[t][i] * alpha[i] + sum;
-        }
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the max moved: rescale
+          p_val[i] = exp2f(x[i] - base);
+          p_val[i + 2] = exp2f(x[i + 2] - base);
+          row_sum[t][i] = row_sum[t][i] * alpha + p_val[i] + p_val[i + 2];
 #pragma unroll
           for (int d = 0; d < C::kDTiles; ++d) {
-            o_acc[t][d][0] *= alpha[0];
-            o_acc[t][d][2] *= alpha[0];
-            o_acc[t][d][1] *= alpha[1];
-            o_acc[t][d][3] *= alpha[1];
+            o_acc[t][d][i] *= alpha;
+            o_acc[t][d][i + 2] *= alpha;
           }
         }
+        // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
+        p_frag[t][0] = transpose8x8(TT::pack(p_val[0], p_val[1]));
+        p_frag[t][1] = transpose8x8(TT::pack(p_val[2], p_val[3]));
+      }
+      // ---- O^T += V^T P^T; thread c holds tokens 4c..4c+3, head-dim bytes [g*kVChunk, +kVChunk)
+      const int v0 = tok0 + 4 * c;
+      uint32_t vw[4][C::kVChunk / 4];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
-          p_frag[u][t][0] = transpose8x8(TT::pack(x[u][0], x[u][1]));
-          p_frag[u][t][1] = transpose8x8(TT::pack(x[u][2], x[u][3]));
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t* src = v_data + C::data_offset(v0 + r) + g * C::kVChunk;
+        if constexpr (C::kVChunk == 4) vw[r][0] = *reinterpret_cast<const uint32_t*>(src);
+        if constexpr (C::kVChunk == 8) *reinterpret_cast<uint2*>(vw[r]) = *reinterpret_cast<const uint2*>(src);
+        if constexpr (C::kVChunk == 16) *reinterpret_cast<uint4*>(vw[r]) = *reinterpret_cast<const uint4*>(src);
+      }
+#pragma unroll
+      for (int w = 0; w < C::kVChunk / 4; ++w) {
+        const int sidx = (g * C::kVChunk + 4 * w) / 8;  // 8 bytes per block scale
+        float sv[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sv[r] = e4m3_to_float(v_scales[(v0 + r) * C::kScaleBytes + sidx]);
+        const uint32_t s01 = TT::pack_scales(sv[0], sv[1]), s23 = TT::pack_scales(sv[2], sv[3]);
+        // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
+        uint32_t p01[8], p23[8];
+        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
+        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
+        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
+        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles of this word (2 head-dim rows each)
+          const int d = w * 4 + q;
+          const uint32_t a[4] = {mul2<T>(p01[2 * q], s01), mul2<T>(p01[2 * q + 1], s01), mul2<T>(p23[2 * q], s23),
+                                 mul2<T>(p23[2 * q + 1], s23)};
+#pragma unroll
+          for (int t = 0; t < kRowTiles; ++t) mma<T>(o_acc[t][d], a, p_frag[t][0], p_frag[t][1]);
         }
       }
-#ifndef NVFP4_PROFILE_SKIP_PV
-      pv_tile<T, C, kRowTiles>(o_acc, v_data, v_scales, scale_lut, p_frag[0], tok0, g, c);
-      pv_tile<T, C, kRowTiles>(o_acc, v_data, v_scales, scale_lut, p_frag[1], tok0 + 16, g, c);
-#endif
     }
   }
   cp_async_wait<0>();

@@ -129,7 +129,7 @@ class AttentionPlan:
 
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
-SPLIT_BLOCKS_PER_SM = 4
+SPLIT_BLOCKS_PER_SM = 2
 """Thread blocks per SM the split count aims for (resident ones plus a few waves to even the tail)."""
 
 
