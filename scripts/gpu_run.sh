@@ -5,8 +5,9 @@ set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/
+if ls .whl-fi/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
@@ -14,7 +15,7 @@ t0=$(date +%s)
 python3 -c "import torch, nvfp4_backend.jit as j; j.load(torch.device('cuda')); print('kernels built')" 2>&1 | tail -5
 echo "build: $(( $(date +%s) - t0 )) s"
 case $mode in
-  tests|all) python3 -m pytest -q -x tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  tests|all|final) python3 -m pytest -q -x tests/test_kernels_gpu.py -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
@@ -23,7 +24,7 @@ case $mode in
                NVFP4_BACKEND_NVCC_FLAGS="${v%%|*}" python3 -m nvfp4_backend.cli bench $( [[ $v == *"|"* ]] && echo "${v#*|}" ) --no-peers --grid ${VARIANT_GRID:-64x8192,1x131072,128x512} \
                  --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | tail -4 | awk -v p="[$v] " '{print p $0}'
              done ;;
-  peers) python3 -m nvfp4_backend.cli bench --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+  peers|final) python3 -m nvfp4_backend.cli bench --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
 esac
 case $mode in
   sanitize)
