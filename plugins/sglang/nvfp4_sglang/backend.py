@@ -60,10 +60,12 @@ class NVFP4XQABackend(AttentionBackend):
         if pool.k_scale_buffer is None or pool.v_scale_buffer is None:
             raise RuntimeError(f"the NVFP4 pool allocated no token-linear block scales for {BACKEND_NAME}; "
                                "the plugin's KV access entry was not registered in this process")
-        self.pool, self.quant = pool, quant
+        # SGLang's names: layers reach the pools through the active backend (get_token_to_kv_pool()).
+        self.token_to_kv_pool, self.req_to_token_pool = pool, model_runner.req_to_token_pool
+        self.quant = quant
         self.device = torch.device(model_runner.device)
         self.page_size = pool.page_size
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token  # [reqs, max_context] int32 slots
+        self.req_to_token = self.req_to_token_pool.req_to_token  # [reqs, max_context] int32 slots
         # Column of each page's first token; the widest request needs ceil(width / page_size) pages.
         self.max_num_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
         self._page_cols = torch.arange(self.max_num_pages, device=self.device) * self.page_size
@@ -86,8 +88,8 @@ class NVFP4XQABackend(AttentionBackend):
             # over the GPU, and plan_attention sizes its workspace by max_query_len (GBs for a long
             # prompt), so extends run unsplit.
             return _NO_SPLIT
-        return ops.plan_attention(batch, self.pool.head_num, self.group_bound, 1, max_seq_len,
-                                  self.pool.head_dim, self.num_sms)
+        return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, 1, max_seq_len,
+                                  self.token_to_kv_pool.head_dim, self.num_sms)
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""
@@ -157,16 +159,19 @@ class NVFP4XQABackend(AttentionBackend):
             if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
                 raise NotImplementedError(f"{BACKEND_NAME} serves causal decoder self-attention only, layer "
                                           f"{layer.layer_id} is {layer.attn_type} (cross={layer.is_cross_attention})")
-            if layer.qk_head_dim != layer.v_head_dim or layer.qk_head_dim != self.pool.head_dim:
+            if layer.qk_head_dim != layer.v_head_dim or layer.qk_head_dim != self.token_to_kv_pool.head_dim:
                 raise NotImplementedError(f"{BACKEND_NAME} needs equal K/V head dims matching the pool "
-                                          f"({layer.qk_head_dim}, {layer.v_head_dim}, pool {self.pool.head_dim})")
+                                          f"({layer.qk_head_dim}, {layer.v_head_dim}, pool {self.token_to_kv_pool.head_dim})")
             if layer.logit_cap and layer.logit_capping_method != "tanh":
                 raise NotImplementedError(f"logit capping {layer.logit_capping_method!r} is not supported")
-            k, v, k_sf, v_sf = self.pool.get_raw_kv_buffer(layer.layer_id)
+            k, v, k_sf, v_sf = self.token_to_kv_pool.get_raw_kv_buffer(layer.layer_id)
             cache = self._caches[layer.layer_id] = PagedKVCache.from_token_rows(k, k_sf, v, v_sf, self.page_size)
         return cache
 
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None, **kwargs):
+        unknown = sorted(name for name, value in kwargs.items() if value is not None and value is not False)
+        if unknown:  # e.g. return_lse, k_rope: silently dropping them would return wrong results
+            raise NotImplementedError(f"{BACKEND_NAME} does not support attention arguments {unknown}")
         cache = self._cache(layer)
         lid = layer.layer_id  # global ids index the recipe's scales (views: no host sync)
         k_g, v_g = self.quant.k_scales_gpu[lid:lid + 1], self.quant.v_scales_gpu[lid:lid + 1]

@@ -128,6 +128,33 @@ def test_rejects_unsupported_layers():
         h.backend.forward(q, k, v, enc, fb)
 
 
+def test_rejects_unknown_attention_arguments():
+    h = Harness()
+    fb = h.batch({1: 3})
+    h.backend.init_forward_metadata(fb)
+    q, k, v = h.qkv(fb, h.layers[0])
+    with pytest.raises(NotImplementedError, match=r"\['return_lse'\]"):
+        h.backend.forward(q, k, v, h.layers[0], fb, return_lse=True)
+
+
+def test_through_radix_attention_and_forward_context():
+    """SGLang's own call path: RadixAttention.forward -> get_attn_backend().forward, and the
+    pool lookups layers make through the active backend."""
+    from sglang.srt.model_executor.forward_context import (ForwardContext, forward_context, get_req_to_token_pool,
+                                                            get_token_to_kv_pool)
+    h = Harness(page_size=4)
+    for new, decode in [({1: 6, 2: 3}, False), ({1: 1, 2: 1}, True)]:
+        fb = h.batch(new, decode=decode)
+        h.backend.init_forward_metadata(fb)
+        with forward_context(ForwardContext(attn_backend=h.backend), forward_batch=fb):
+            assert get_token_to_kv_pool() is h.pool and get_req_to_token_pool() is h.req_pool
+            for layer in h.layers:
+                q, k, v = h.qkv(fb, layer)
+                got = layer(q, k.flatten(1), v.flatten(1), fb)  # models pass flat k/v rows
+                h.record(fb, layer, k, v)
+                assert_close([(got.float(), h.expected(fb, layer, q).float())])
+
+
 def test_rejects_pool_without_nvfp4():
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
