@@ -22,6 +22,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from nvfp4_backend import PagedKVCache, ops
+from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
 
 from . import BACKEND_NAME
 
@@ -120,6 +121,14 @@ class NVFP4XQABackend(AttentionBackend):
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         dev = self.device
+        head_dim = self.token_to_kv_pool.head_dim
+        # NOTE: the core's reference fallback plans on the host (a sync), which a graph cannot
+        # record; fail at startup with the fix instead of inside SGLang's capture.
+        if dev.type == "cuda" and not (kernels_available(dev) and decode_supports(self.group_bound, 1, head_dim)):
+            reason = (unavailable_reason(torch.cuda.get_device_capability(dev)) or
+                      f"no decode kernel for head_dim={head_dim}, GQA group {self.group_bound}")
+            raise RuntimeError(f"{BACKEND_NAME}: decode CUDA graphs need the nvfp4 kernels ({reason}); "
+                               "run with --cuda-graph-backend-decode disabled")
         self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self._graph_block_table = torch.zeros(max_bs, self.max_num_pages, dtype=torch.int32, device=dev)
         self._graph_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)  # one row per request

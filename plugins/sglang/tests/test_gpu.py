@@ -59,3 +59,12 @@ def test_cuda_graph_decode_replay():
         torch.cuda.synchronize()
         h.record(step, layer, nk, nv)
         assert_close([(out[:2].float().cpu(), h.expected(step, layer, nq[:2]).float())], **GPU_TOL)
+
+
+def test_head_dim_without_kernel_runs_eager_and_refuses_graphs():
+    """head_dim 96: the core serves it through its reference; graphs would need a host sync."""
+    h = Harness("cuda", page_size=16, head_dim=96, num_pages=16, max_context=128)
+    assert_close(h.run_step(h.batch({1: 20, 2: 3})), **GPU_TOL)
+    assert_close(h.run_step(h.batch({1: 1, 2: 1}, decode=True)), **GPU_TOL)
+    with pytest.raises(RuntimeError, match="--cuda-graph-backend-decode disabled"):
+        h.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
