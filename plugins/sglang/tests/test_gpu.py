@@ -61,9 +61,11 @@ def test_cuda_graph_decode_replay():
         assert_close([(out[:2].float().cpu(), h.expected(step, layer, nq[:2]).float())], **GPU_TOL)
 
 
-def test_head_dim_without_kernel_runs_eager_and_refuses_graphs():
-    """head_dim 96: the core serves it through its reference; graphs would need a host sync."""
-    h = Harness("cuda", page_size=16, head_dim=96, num_pages=16, max_context=128)
+def test_group_without_decode_kernel_runs_eager_and_refuses_graphs():
+    """GQA group 72 > the decode kernel's rows: the core serves it through its dense fallback
+    eagerly; a captured graph would need that fallback's host sync, so graphs are refused."""
+    h = Harness("cuda", q_heads=72, kv_heads=1, head_dim=128, page_size=16, num_pages=16, max_context=128,
+                scales=((0.004, 0.002),))
     assert_close(h.run_step(h.batch({1: 20, 2: 3})), **GPU_TOL)
     assert_close(h.run_step(h.batch({1: 1, 2: 1}, decode=True)), **GPU_TOL)
     with pytest.raises(RuntimeError, match="--cuda-graph-backend-decode disabled"):
