@@ -14,7 +14,6 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from nvfp4_backend import format as fmt  # noqa: E402
-from nvfp4_backend import reference  # noqa: E402
 from nvfp4_backend.capacity import capacity_table, model_kv_bytes_per_token  # noqa: E402
 from nvfp4_backend.corpus import stdlib_prose  # noqa: E402
 from nvfp4_backend.evaluation import fake_quant_logits  # noqa: E402
@@ -219,7 +218,8 @@ def test_capacity_table():
     r = rows["Llama-3.1-70B"]
     assert (r["layers"], r["kv_heads"], r["head_dim"], r["kv_heads_per_gpu"]) == (80, 8, 128, 1)
     assert r["nvfp4_bytes_per_token_per_gpu"] == 2 * 80 * 72
-    assert r["bf16_tokens"] == int(r["kv_budget_gb_per_gpu"] * 0 + (80 * 0.9 - 2 * 70.6 / 8 - 4) * 1e9 // (2 * 80 * 256))
+    budget_bytes = (80 * 0.9 - 2 * 70.6 / 8 - 4) * 1e9  # 80 GB x 0.9 - BF16 weights / TP 8 - 4 GB reserve
+    assert r["bf16_tokens"] == int(budget_bytes // (2 * 80 * 256))
     assert r["nvfp4_tokens"] > 3.5 * r["bf16_tokens"]
     with pytest.raises(ValueError, match="tp"):
         capacity_table(tp=0)
