@@ -20,6 +20,12 @@ from . import format as fmt
 LAYOUTS = ("NHD", "HND")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one gap-free, non-overlapping range (in some dimension order)."""
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
 @dataclass(frozen=True)
 class PagedKVCache:
     k_data: torch.Tensor
@@ -102,8 +108,9 @@ class PagedKVCache:
                           head_major: bool) -> "PagedKVCache":
         """vLLM's inline NVFP4 page: ``[K data | K scales | V data | V scales]`` in each page.
 
-        ``pages`` is any uint8 tensor whose dim 0 indexes pages and whose page bytes are dense
-        (vLLM hands ``[num_blocks, 2 * num_kv_heads, block_size, D/2 + D/16]``).  Within a side,
+        ``pages`` is any uint8 tensor whose dim 0 indexes pages and whose page bytes are dense in
+        some dimension order (vLLM hands ``[num_blocks, 2 * num_kv_heads, block_size, D/2 + D/16]``,
+        permuted for its NHD layouts); the byte order within the page is what counts.  Within a side,
         data is ``[heads, page_size, D/2]`` (head_major, HND) or ``[page_size, heads, D/2]`` (NHD),
         followed by the scales in the same order.
         """
@@ -112,7 +119,7 @@ class PagedKVCache:
             raise TypeError(f"pages must be uint8, got {pages.dtype}")
         side = page_size * num_kv_heads * fmt.bytes_per_token_head(head_dim)
         page_bytes = pages[0].numel() if pages.shape[0] else 2 * side
-        if pages.shape[0] and not pages[0].is_contiguous():
+        if pages.shape[0] and not _dense(pages[0]):
             raise ValueError(f"pages must hold each page's bytes densely, got shape {tuple(pages.shape)} "
                              f"with strides {pages.stride()}")
         if page_bytes != 2 * side:

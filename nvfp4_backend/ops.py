@@ -98,7 +98,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
                    k_global_scale, v_global_scale) -> None:
     from . import jit
-    if key.is_cuda and jit.kernels_available(key.device):
+    # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
+    if key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(key.device):
         jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
                                       v_block_scales, k_global_scale, v_global_scale)
         return
@@ -140,6 +141,9 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     The split count is a function of host-known bounds only, so a captured graph stays valid for
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
     """
+    from . import jit
+    if not jit.decode_supports(group_size, max_query_len, head_dim):
+        return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
     splits = max(1, min(math.ceil(SPLIT_BLOCKS_PER_SM * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
@@ -225,10 +229,12 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
 
 
 def _kernel_aligned(k_data, k_block_scales, v_data) -> bool:
-    """The decode kernel copies 16-byte pieces of data and whole scale rows: layouts whose rows are
-    not aligned for that (e.g. vLLM-style inline pages of 1 token) take the dense path."""
+    """The decode kernel copies 16-byte pieces of data and whole scale rows and finds a token's page
+    by shifting: layouts whose rows are not aligned for that (e.g. vLLM-style inline pages of one
+    token) or whose page size is not a power of two take the dense path."""
     sf = k_block_scales.shape[-1]
-    return (all(st % 16 == 0 for st in k_data.stride()[:3]) and k_data.data_ptr() % 16 == 0
+    page_size = k_data.shape[1]
+    return (page_size & (page_size - 1) == 0 and all(st % 16 == 0 for st in k_data.stride()[:3]) and k_data.data_ptr() % 16 == 0
             and v_data.data_ptr() % 16 == 0 and all(st % sf == 0 for st in k_block_scales.stride()[:3])
             and k_block_scales.data_ptr() % sf == 0)
 
