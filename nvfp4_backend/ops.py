@@ -100,6 +100,11 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
     from . import jit
     # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
     if key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(key.device):
+        if key.stride() != value.stride() or any(st % 8 for st in key.stride()[:2]):
+            # the kernel reads K and V with one set of 16-byte-aligned strides (torch calls a tensor
+            # contiguous whatever the stride of a size-1 dim, so copy into fresh standard strides)
+            key = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
+            value = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
         jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
                                       v_block_scales, k_global_scale, v_global_scale)
         return
