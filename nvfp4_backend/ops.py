@@ -239,9 +239,10 @@ def _kernel_aligned(k_data, k_block_scales, v_data) -> bool:
     token) or whose page size is not a power of two take the dense path."""
     sf = k_block_scales.shape[-1]
     page_size = k_data.shape[1]
-    return (page_size & (page_size - 1) == 0 and all(st % 16 == 0 for st in k_data.stride()[:3]) and k_data.data_ptr() % 16 == 0
-            and v_data.data_ptr() % 16 == 0 and all(st % sf == 0 for st in k_block_scales.stride()[:3])
-            and k_block_scales.data_ptr() % sf == 0)
+    return (page_size & (page_size - 1) == 0
+            and all(st % 16 == 0 for st in k_data.stride()[:3])
+            and k_data.data_ptr() % 16 == 0 and v_data.data_ptr() % 16 == 0
+            and all(st % sf == 0 for st in k_block_scales.stride()[:3]) and k_block_scales.data_ptr() % sf == 0)
 
 
 def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
@@ -264,11 +265,13 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace) -> None:
     from . import jit
-    if q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data) and \
-            jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]):
-        jit.load(q.device).paged_attention(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
-                                   query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
-                                   logits_soft_cap, sinks, max_query_len, num_splits, workspace)
+    kernel = (q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data)
+              and jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]))
+    if kernel:
+        jit.load(q.device).paged_attention(
+            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
+            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, max_query_len,
+            num_splits, workspace)
         return
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
     args = (q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale, softmax_scale,
