@@ -131,21 +131,68 @@ def _as_fp32_scalar(global_scale: torch.Tensor | float, device: torch.device) ->
     return torch.as_tensor(global_scale, dtype=torch.float32, device=device).reshape(())
 
 
-def quantize(x: torch.Tensor, global_scale: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] fp16/bf16/fp32 -> (packed [..., D/2] uint8, block scales [..., D/16] uint8)."""
+SCALE_RULES = ("6", "6or4")
+"""How a block's E4M3 scale is chosen: "6" maps the block maximum to 6 (the standard recipe);
+"6or4" also tries mapping it to 4 and keeps whichever reconstructs the block with the smaller
+squared error (vLLM's ``nvfp4_4over6`` idea).  Both produce the standard NVFP4 bytes."""
+
+
+def _block_codes(blocks: torch.Tensor, amax: torch.Tensor, target: float):
+    """Scale bytes, their values and the codes for a block maximum mapped onto ``target``."""
+    sf = e4m3_encode(amax / torch.full_like(amax, target))
+    sf_value = e4m3_decode(sf)
+    inv = torch.where(sf_value > 0, torch.ones_like(sf_value) / sf_value, torch.zeros_like(sf_value))
+    return sf, sf_value, e2m1_encode(blocks * inv.unsqueeze(-1))
+
+
+def _block_sq_error(blocks: torch.Tensor, codes: torch.Tensor, sf_value: torch.Tensor) -> torch.Tensor:
+    """Squared reconstruction error per block in fp32, accumulated in element order 0..15 (a fixed
+    order, so a kernel can reproduce the comparison bit for bit)."""
+    diff = blocks - e2m1_decode(codes) * sf_value.unsqueeze(-1)
+    err = torch.zeros_like(sf_value)
+    for i in range(BLOCK_SIZE):
+        err = err + diff[..., i] * diff[..., i]
+    return err
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor | float,
+             scale_rule: str = "6") -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] fp16/bf16/fp32 -> (packed [..., D/2] uint8, block scales [..., D/16] uint8).
+
+    ``scale_rule`` "6or4": per block, the scale for a maximum of 4 wins only when its squared
+    error is strictly smaller (a tie keeps the standard scale).
+    """
     check_head_dim(x.shape[-1], "x.shape[-1]")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     # Tensor-by-tensor divisions only: torch turns a division by a Python scalar into a multiply by
     # its reciprocal on some devices, which would round differently from the kernel.
     g = _as_fp32_scalar(global_scale, x.device)
     enc = torch.ones_like(g) / g
     blocks = (x.float() * enc).unflatten(-1, (-1, BLOCK_SIZE))
     amax = blocks.abs().amax(-1)  # NaN propagates
-    sf = e4m3_encode(amax / torch.full_like(amax, E2M1_MAX))
-    sf_value = e4m3_decode(sf)
-    inv = torch.where(sf_value > 0, torch.ones_like(sf_value) / sf_value, torch.zeros_like(sf_value))
-    codes = e2m1_encode(blocks * inv.unsqueeze(-1))
+    sf, sf_value, codes = _block_codes(blocks, amax, E2M1_MAX)
+    if scale_rule == "6or4":
+        sf4, sf4_value, codes4 = _block_codes(blocks, amax, 4.0)
+        four = _block_sq_error(blocks, codes4, sf4_value) < _block_sq_error(blocks, codes, sf_value)
+        sf = torch.where(four, sf4, sf)
+        codes = torch.where(four.unsqueeze(-1), codes4, codes)
     codes = torch.where((sf == E4M3_NAN_BYTE).unsqueeze(-1), torch.zeros_like(codes), codes)
     return pack_fp4(codes.flatten(-2)), sf
+
+
+def hadamard(head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of size head_dim (a power of two).
+
+    It is symmetric and its own inverse, so with k' = k H and q' = q H, q'.k' = q.k, and an output
+    computed from v' = v H is un-rotated by one more product with H.
+    """
+    if head_dim <= 0 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two for a Hadamard rotation, got {head_dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / h.shape[0] ** 0.5).to(device=device, dtype=dtype)
 
 
 def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor | float,

@@ -26,14 +26,46 @@ def _dense(t: torch.Tensor) -> bool:
     return t.permute(order).is_contiguous()
 
 
+ROTATIONS = ("none", "hadamard")
+
+
+@dataclass(frozen=True)
+class KVMode:
+    """Accuracy options that keep the standard NVFP4 bytes (same size, same kernels' traffic).
+
+    scale_rule: see ``format.SCALE_RULES``.  rotation "hadamard": K and V are stored as k H and v H
+    (H = ``format.hadamard(head_dim)``); attention rotates q by H and the output back by H, so no
+    extra pass over the cache is made.  The mode travels with the cache so that a cache is never
+    read with a mode other than the one it was written with.
+    """
+    scale_rule: str = "6"
+    rotation: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.scale_rule not in fmt.SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {fmt.SCALE_RULES}, got {self.scale_rule!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+
+    @property
+    def name(self) -> str:
+        parts = (["hadamard"] if self.rotation == "hadamard" else []) + (["6or4"] if self.scale_rule == "6or4" else [])
+        return "-".join(parts) or "plain"
+
+
 @dataclass(frozen=True)
 class PagedKVCache:
     k_data: torch.Tensor
     k_block_scales: torch.Tensor
     v_data: torch.Tensor
     v_block_scales: torch.Tensor
+    mode: KVMode = KVMode()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mode, KVMode):
+            raise TypeError(f"mode must be a KVMode, got {type(self.mode).__name__}")
+        if self.mode.rotation == "hadamard":
+            fmt.hadamard(self.head_dim)  # raises unless the head dim is a power of two
         self.validate()
 
     # ------------------------------------------------------------------ geometry
@@ -88,7 +120,7 @@ class PagedKVCache:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def allocate(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 layout: str = "NHD", device: torch.device | str = "cpu") -> "PagedKVCache":
+                 layout: str = "NHD", device: torch.device | str = "cpu", mode: KVMode = KVMode()) -> "PagedKVCache":
         """Four zeroed tensors in NHD ([pages, page, heads, bytes]) or HND ([pages, heads, page, bytes])."""
         fmt.check_head_dim(head_dim)
         if layout not in LAYOUTS:
@@ -101,7 +133,7 @@ class PagedKVCache:
                                device=device).transpose(1, 2)
 
         return cls(make(fmt.data_bytes(head_dim)), make(fmt.scale_bytes(head_dim)),
-                   make(fmt.data_bytes(head_dim)), make(fmt.scale_bytes(head_dim)))
+                   make(fmt.data_bytes(head_dim)), make(fmt.scale_bytes(head_dim)), mode)
 
     @classmethod
     def from_inline_pages(cls, pages: torch.Tensor, page_size: int, num_kv_heads: int, head_dim: int,

@@ -20,7 +20,8 @@ from .layout import PagedKVCache
 _lib = torch.library.Library("nvfp4_backend", "DEF")
 _lib.define(
     "write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
-    "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale) -> ()")
+    "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
+    "str scale_rule=\"6\") -> ()")
 _lib.define(
     "paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
@@ -92,14 +93,24 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {cache.num_slots} slots")
     kg = _check_global_scale("k_global_scale", k_global_scale, dev)
     vg = _check_global_scale("v_global_scale", v_global_scale, dev)
-    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg)
+    if cache.mode.rotation == "hadamard":
+        key, value = _rotate(key), _rotate(value)
+    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule)
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """x H along the head dim (H orthonormal, symmetric, its own inverse), in fp32, back to x's dtype."""
+    h = fmt.hadamard(x.shape[-1], x.device)
+    return (x.float() @ h).to(x.dtype)
 
 
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale) -> None:
+                   k_global_scale, v_global_scale, scale_rule="6") -> None:
     from . import jit
-    # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
-    if key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(key.device):
+    # head dims the kernels were tested with on a GPU; any other multiple of 16, and the "6or4"
+    # scale rule (not in the kernel yet), take the reference
+    if (key.is_cuda and scale_rule == "6" and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS
+            and jit.kernels_available(key.device)):
         if key.stride() != value.stride() or any(st % 8 for st in key.stride()[:2]):
             # the kernel reads K and V with one set of 16-byte-aligned strides (torch calls a tensor
             # contiguous whatever the stride of a size-1 dim, so copy into fresh standard strides)
@@ -109,7 +120,7 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
                                       v_block_scales, k_global_scale, v_global_scale)
         return
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
-    reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale)
+    reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale, scale_rule)
 
 
 _lib.impl("write_kv", _write_kv_impl, "CPU")
@@ -118,7 +129,7 @@ _lib.impl("write_kv", _write_kv_impl, "CUDA")
 
 @torch.library.register_fake("nvfp4_backend::write_kv")
 def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale) -> None:
+                   k_global_scale, v_global_scale, scale_rule="6") -> None:
     return None
 
 
@@ -226,10 +237,16 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"workspace is on {workspace.device}, expected {dev} (the cache's device)")
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
+    rotated = cache.mode.rotation == "hadamard"
+    # with a rotated cache: q H in, and the output (P V H) rotated back; rows that belong to no
+    # request come out as 0 here
+    target = torch.zeros_like(q) if rotated else out
     torch.ops.nvfp4_backend.paged_attention(
-        out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg, float(softmax_scale),
-        int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len), plan.num_splits,
-        workspace)
+        target, _rotate(q) if rotated else q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
+        float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
+        plan.num_splits, workspace)
+    if rotated:
+        out.copy_(_rotate(target))
     return out
 
 

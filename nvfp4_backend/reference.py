@@ -11,7 +11,7 @@ from .layout import PagedKVCache
 
 
 def write_kv_ref(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, cache: PagedKVCache,
-                 k_global_scale: torch.Tensor, v_global_scale: torch.Tensor) -> None:
+                 k_global_scale: torch.Tensor, v_global_scale: torch.Tensor, scale_rule: str = "6") -> None:
     """Quantize K/V ``[tokens, kv_heads, D]`` into the cache slots.
 
     Slots < 0 (padding) and >= num_slots are skipped: on a GPU nothing can check them without a
@@ -22,7 +22,7 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Ten
     page, offset = slots // cache.page_size, slots % cache.page_size
     for x, g, data, scales in ((key, k_global_scale, cache.k_data, cache.k_block_scales),
                                (value, v_global_scale, cache.v_data, cache.v_block_scales)):
-        packed, sf = fmt.quantize(x[keep], g)
+        packed, sf = fmt.quantize(x[keep], g, scale_rule)
         data[page, offset] = packed
         scales[page, offset] = sf
 

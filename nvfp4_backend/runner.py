@@ -37,7 +37,7 @@ import torch
 
 from . import format as fmt
 from . import ops, reference
-from .layout import PagedKVCache
+from .layout import KVMode, PagedKVCache
 
 ATTN_IMPLEMENTATION = "nvfp4_backend_paged"
 FP8_MAX = 448.0
@@ -51,6 +51,7 @@ class KVFormat:
     storage: torch.dtype | None
     scale: str                  # "one": global/per-tensor scale 1.0; "amax": calibrated from K/V amax
     description: str
+    mode: KVMode = KVMode()     # nvfp4 accuracy mode (same bytes): block-maximum rule, rotation
 
     def bytes_per_token_head(self, head_dim: int) -> int:
         """Cache bytes of one token of one kv head, for K (the same again for V)."""
@@ -71,6 +72,12 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
              "NVFP4 (E2M1 + E4M3 per 16), global scale 1.0 (the engines' default)"),
     KVFormat("nvfp4-amax", "nvfp4", None, "amax",
              "NVFP4, per-layer global scale = format.calibrate_global_scale(amax) from a calibration text"),
+    KVFormat("nvfp4-6or4", "nvfp4", None, "one", "NVFP4, 6-or-4 block maximum, global scale 1.0",
+             KVMode(scale_rule="6or4")),
+    KVFormat("nvfp4-hadamard", "nvfp4", None, "one", "NVFP4 after a Hadamard rotation of the head dim, scale 1.0",
+             KVMode(rotation="hadamard")),
+    KVFormat("nvfp4-hadamard-6or4", "nvfp4", None, "one", "NVFP4, Hadamard rotation + 6-or-4, global scale 1.0",
+             KVMode(scale_rule="6or4", rotation="hadamard")),
 )}
 
 
@@ -161,8 +168,8 @@ class NVFP4Store:
     """One ``PagedKVCache`` per layer, written with ``ops.write_kv`` and read with ``ops.paged_attention``."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 scales: list[tuple[float, float]], device, layout: str = "NHD"):
-        self.caches = [PagedKVCache.allocate(num_pages, page_size, num_kv_heads, head_dim, layout, device)
+                 scales: list[tuple[float, float]], device, layout: str = "NHD", mode: KVMode = KVMode()):
+        self.caches = [PagedKVCache.allocate(num_pages, page_size, num_kv_heads, head_dim, layout, device, mode)
                        for _ in range(num_layers)]
         self.kg = [torch.tensor(k, dtype=torch.float32, device=device) for k, _ in scales]
         self.vg = [torch.tensor(v, dtype=torch.float32, device=device) for _, v in scales]
@@ -263,7 +270,7 @@ class PagedRunner:
         self.num_pages = -(-max_tokens // page_size) + 8
         if self.format.kind == "nvfp4":
             self.store = NVFP4Store(self.num_layers, self.num_pages, page_size, self.num_kv_heads, self.head_dim,
-                                    self.kv_scales, self.device, layout)
+                                    self.kv_scales, self.device, layout, self.format.mode)
         else:
             self.store = DenseStore(self.format, self.num_layers, self.num_pages, page_size, self.num_kv_heads,
                                     self.head_dim, self.kv_scales, self.device, record_amax)

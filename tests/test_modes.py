@@ -1,0 +1,120 @@
+"""Accuracy modes inside the NVFP4 bytes: the 6-or-4 block maximum and the Hadamard rotation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nvfp4_backend import format as fmt, ops, reference
+from nvfp4_backend.layout import KVMode, PagedKVCache
+
+
+@pytest.fixture
+def g():
+    gen = torch.Generator()
+    gen.manual_seed(1234)
+    return gen
+
+
+def _block_errors(x, packed, sf, g_scale=1.0):
+    deq = fmt.dequantize(packed, sf, g_scale)
+    return ((deq - x) ** 2).unflatten(-1, (-1, fmt.BLOCK_SIZE)).sum(-1)
+
+
+def test_6or4_never_worse_and_picks_the_better_scale(g):
+    x = torch.randn(4000, 64, generator=g) * torch.rand(4000, 1, generator=g) * 20
+    x[::7, 3] *= 30  # outliers
+    p6, s6 = fmt.quantize(x, 0.01, "6")
+    p64, s64 = fmt.quantize(x, 0.01, "6or4")
+    e6, e64 = _block_errors(x, p6, s6, 0.01), _block_errors(x, p64, s64, 0.01)
+    assert (e64 <= e6 * (1 + 1e-6) + 1e-12).all()
+    changed = s64 != s6
+    assert changed.any() and (~changed).any(), "both choices should occur on this data"
+    # where the rule switched, the block's maximum now maps to (at most) 4 instead of 6
+    # (for normal, unsaturated E4M3 scales, whose rounding is within 1/16)
+    scaled_max = (x / 0.01).abs().unflatten(-1, (-1, 16)).amax(-1)
+    normal = changed & (fmt.e4m3_decode(s64) >= 2.0 ** -6) & (fmt.e4m3_decode(s64) < fmt.E4M3_MAX)
+    ratio = scaled_max[normal] / fmt.e4m3_decode(s64[normal])
+    assert normal.any() and (ratio <= 4 * (1 + 1 / 16)).all() and (ratio >= 4 * (1 - 1 / 16)).all()
+
+
+def test_6or4_tie_keeps_the_standard_scale():
+    # a block whose maximum is exactly 6 x an E4M3 value and other elements exactly on the grid
+    # reconstructs with zero error under both rules: the tie keeps the "6" scale
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1] = 6.0, 3.0
+    assert torch.equal(fmt.quantize(x, 1.0, "6or4")[1], fmt.quantize(x, 1.0, "6")[1])
+    assert torch.equal(fmt.quantize(torch.zeros(2, 32), 1.0, "6or4")[1], torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_6or4_keeps_nan_blocks_marked():
+    x = torch.ones(1, 32)
+    x[0, 20] = float("nan")
+    _, sf = fmt.quantize(x, 1.0, "6or4")
+    assert sf[0, 1].item() == fmt.E4M3_NAN_BYTE and sf[0, 0].item() != fmt.E4M3_NAN_BYTE
+
+
+def test_bad_modes_are_rejected():
+    with pytest.raises(ValueError, match="scale_rule"):
+        KVMode(scale_rule="5")
+    with pytest.raises(ValueError, match="rotation"):
+        KVMode(rotation="random")
+    with pytest.raises(ValueError, match="scale_rule"):
+        fmt.quantize(torch.zeros(1, 16), 1.0, "four")
+    with pytest.raises(ValueError, match="power of two"):
+        fmt.hadamard(96)
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_hadamard_is_orthonormal_and_symmetric(d):
+    h = fmt.hadamard(d, dtype=torch.float64)
+    assert torch.allclose(h @ h, torch.eye(d, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(h, h.T)
+
+
+def test_rotation_is_exact_without_quantization(g):
+    """q.k = (qH).(kH) and P (V H) H = P V: attention over rotated dense K/V, with the query
+    rotated and the output rotated back, equals the unrotated attention (fp64)."""
+    b, L, hkv, grp, d = 2, 50, 2, 3, 64
+    k = torch.randn(b, L, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, L, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(6, hkv * grp, d, generator=g, dtype=torch.float64)
+    seq = torch.tensor([50, 31])
+    qsl = torch.tensor([0, 4, 6])
+    h = fmt.hadamard(d, dtype=torch.float64)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(7))
+    plain = reference.attention_ref(q, k, v, seq, qsl, 0.125, 20, 30.0, sinks, torch.float64)
+    rot = reference.attention_ref(q @ h, k @ h, v @ h, seq, qsl, 0.125, 20, 30.0, sinks, torch.float64) @ h
+    torch.testing.assert_close(rot, plain, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
+def test_ops_apply_the_cache_mode(mode, g):
+    """write_kv + paged_attention on a cache with a mode equal the reference built by hand: the
+    pages hold quantize(k H) (or k) with the mode's scale rule, and the output is rotated back."""
+    d, hkv, grp, ps = 64, 2, 4, 16
+    seq_lens, q_lens = [40, 17], [2, 1]
+    cache = PagedKVCache.allocate(8, ps, hkv, d, mode=mode)
+    n = sum(seq_lens)
+    key = (torch.randn(n, hkv, d, generator=g) * 3).bfloat16()
+    value = torch.randn(n, hkv, d, generator=g).bfloat16()
+    table = torch.tensor([[1, 2, 3], [5, 4, 0]], dtype=torch.int32)
+    slots = torch.cat([torch.tensor([int(table[b, i // ps]) * ps + i % ps for i in range(s)])
+                       for b, s in enumerate(seq_lens)])
+    ops.write_kv(key, value, slots, cache, 0.5, 0.25)
+    h = fmt.hadamard(d) if mode.rotation == "hadamard" else torch.eye(d)
+    want_k, want_ks = fmt.quantize((key.float() @ h).bfloat16() if mode.rotation == "hadamard" else key, 0.5,
+                                   mode.scale_rule)
+    pages, offs = slots // ps, slots % ps
+    assert torch.equal(cache.k_data[pages, offs], want_k) and torch.equal(cache.k_block_scales[pages, offs], want_ks)
+
+    q = torch.randn(sum(q_lens), hkv * grp, d, generator=g).bfloat16()
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = ops.paged_attention(q, cache, table, sl, qsl, 0.5, 0.25, 1 / math.sqrt(d))
+    plain = PagedKVCache(*cache.tensors())
+    ref = reference.paged_attention_ref((q.float() @ h).bfloat16() if mode.rotation == "hadamard" else q, plain, table,
+                                        sl, qsl, torch.tensor(0.5), torch.tensor(0.25), 1 / math.sqrt(d))
+    ref = (ref.bfloat16().float() @ h) if mode.rotation == "hadamard" else ref
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
