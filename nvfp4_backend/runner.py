@@ -438,7 +438,8 @@ def kernel_path(device) -> str:
     from . import jit
     if jit.kernels_available(device):
         return (f"CUDA kernels ({jit.module_name(torch.cuda.get_device_capability(device))}) for decode "
-                f"(query rows x group <= {jit.MAX_DECODE_ROWS}); PyTorch reference on the GPU for longer prefills")
+                f"(q_len x group <= {jit.decode_max_rows(128)}, {jit.decode_max_rows(256)} at head dim 256); "
+                f"PyTorch reference on the GPU for longer prefills")
     return f"PyTorch reference on the GPU (kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(device))})"
 
 
