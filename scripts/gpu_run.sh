@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|sanitize|all] [extra pytest args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|sanitize|all] [extra pytest args]
 set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,6 +25,12 @@ case $mode in
                  --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | tail -4 | awk -v p="[$v] " '{print p $0}'
              done ;;
   peers|final) python3 -m nvfp4_backend.cli bench ${PEER_GRID:+--grid $PEER_GRID} ${PEER_PAGES:+--page-sizes $PEER_PAGES} --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+esac
+case $mode in
+  modes) python3 -m pytest -q tests/test_kernels_gpu.py -k "6or4 or modes_end_to_end" 2>&1 | tee "$OUT/gpu_modes_tests.log" | tail -4
+         python3 -m nvfp4_backend.cli bench --no-peers --grid ${MODES_GRID:-64x8192,8x32768,128x512} --page-sizes 16 \
+           --spec-q-len 0 --iters 30 --modes plain,6or4,hadamard,hadamard-6or4 --out "$OUT/bench_modes.json" \
+           --plot "$OUT/bench_modes.png" 2>&1 | tee "$OUT/bench_modes.log" | tail -20 ;;
 esac
 case $mode in
   sanitize)

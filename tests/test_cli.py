@@ -93,3 +93,12 @@ def test_info_shows_capacity(capsys):
     rows = info["kv capacity"]
     assert [r["model"] for r in rows] == ["Llama-3.1-8B", "Qwen3-32B", "Llama-3.1-70B"]
     assert all(r["nvfp4_tokens"] > r["fp8_tokens"] > r["bf16_tokens"] > 0 for r in rows)
+
+
+def test_info_reports_the_kv_mode(capsys, monkeypatch):
+    monkeypatch.setenv("NVFP4_BACKEND_KV_MODE", "hadamard-6or4")
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv mode"].startswith("hadamard-6or4 ")
+    monkeypatch.setenv("NVFP4_BACKEND_KV_MODE", "rotate")
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv mode"].startswith("invalid: $NVFP4_BACKEND_KV_MODE")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nvfp4_backend import format as fmt, jit, ops, reference
+from nvfp4_backend.layout import KVMode, PagedKVCache
 from gpu_cases import LAYOUTS, fill_random, make_batch, make_cache, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -66,13 +67,42 @@ def test_write_kv_bit_exact(layout, head_dim, dtype, gen):
 
 def _to_cpu(cache):
     """A CPU copy of a cache with the same strides (one tensor per view)."""
-    from nvfp4_backend import PagedKVCache
     views = []
     for t in cache.tensors():
         cpu = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         cpu.copy_(t.cpu())
         views.append(cpu)
-    return PagedKVCache(*views)
+    return PagedKVCache(*views, mode=cache.mode)
+
+
+@pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
+def test_modes_end_to_end(mode, gen):
+    """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
+    the CPU reference's quantization of the (GPU-rotated) K/V, and attention equals the reference
+    on those bytes with q rotated in and the output rotated back."""
+    d, hkv, group, ps = 128, 2, 4, 16
+    seq_lens, q_lens = [700, 33, 1500], [1, 3, 1]
+    cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, q_lens, hkv * group, d, ps, 300, torch.bfloat16, gen, DEV)
+    n = sum(seq_lens)
+    kv = (torch.randn(2, n, hkv, d, generator=gen) * torch.rand(2, n, hkv, 1, generator=gen) * 8).bfloat16().to(DEV)
+    slots = torch.cat([batch.block_table[b, torch.arange(s, device=DEV) // ps].long() * ps + torch.arange(s, device=DEV) % ps
+                       for b, s in enumerate(seq_lens)])
+    kg, vg = _scales(gen)
+    want = _to_cpu(cache)  # before the write: bytes outside the slots must stay as they were
+    ops.write_kv(kv[0], kv[1], slots, cache, kg, vg)
+    rot = ops._rotate if mode.rotation == "hadamard" else (lambda x: x)
+    reference.write_kv_ref(rot(kv[0]).cpu(), rot(kv[1]).cpu(), slots.cpu(), want, kg.cpu(), vg.cpu(), mode.scale_rule)
+    for name, a, b in zip(("k_data", "k_scales", "v_data", "v_scales"), cache.tensors(), want.tensors()):
+        assert torch.equal(a.cpu(), b), f"{name} differs from the reference quantization ({mode.name})"
+    out = torch.full_like(batch.q, float("nan"))
+    ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out)
+    plain = PagedKVCache(*cache.tensors())
+    ref = reference.paged_attention_ref(rot(batch.q), plain, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                        kg, vg, 0.09, dtype=torch.float64)
+    ref = rot(ref.to(torch.bfloat16)).float()
+    assert rel_l2(out.float(), ref) < TOL
 
 
 # ----------------------------------------------------------------------------------- decode

@@ -118,3 +118,27 @@ def test_ops_apply_the_cache_mode(mode, g):
                                         sl, qsl, torch.tensor(0.5), torch.tensor(0.25), 1 / math.sqrt(d))
     ref = (ref.bfloat16().float() @ h) if mode.rotation == "hadamard" else ref
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["plain", "6or4", "hadamard", "hadamard-6or4"])
+def test_mode_names_round_trip(name):
+    assert KVMode.from_name(name).name == name
+
+
+def test_configured_mode_reads_the_environment(monkeypatch):
+    from nvfp4_backend.layout import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
+    monkeypatch.delenv(KV_MODE_ENV, raising=False)
+    assert configured_kv_mode() == KVMode.from_name(DEFAULT_KV_MODE)
+    monkeypatch.setenv(KV_MODE_ENV, " hadamard-6or4 ")
+    assert configured_kv_mode() == KVMode("6or4", "hadamard")
+    monkeypatch.setenv(KV_MODE_ENV, "6or4-hadamard")
+    with pytest.raises(ValueError, match=r"\$NVFP4_BACKEND_KV_MODE: KV mode must be one of"):
+        configured_kv_mode()
+
+
+def test_constructors_carry_the_mode():
+    mode = KVMode("6or4", "hadamard")
+    pages = torch.zeros(3, 2 * 16 * 2 * fmt.bytes_per_token_head(64), dtype=torch.uint8)
+    assert PagedKVCache.from_inline_pages(pages, 16, 2, 64, head_major=True, mode=mode).mode == mode
+    rows = [torch.zeros(32, 2, n, dtype=torch.uint8) for n in (32, 4, 32, 4)]
+    assert PagedKVCache.from_token_rows(*rows, page_size=16, mode=mode).mode == mode

@@ -13,6 +13,7 @@ kernel or dense fallback.  CUDA graphs are captured for decode.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -22,9 +23,12 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from nvfp4_backend import PagedKVCache, ops
+from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
 from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
 
 from . import BACKEND_NAME
+
+log = logging.getLogger("nvfp4_sglang")
 
 _NO_SPLIT = ops.AttentionPlan(num_splits=1, workspace_bytes=0)
 
@@ -77,6 +81,9 @@ class NVFP4XQABackend(AttentionBackend):
         self.group_bound = max(cfg.num_attention_heads // max(cfg.num_key_value_heads, 1), 1)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 132)
+        # This backend writes and reads the pool, so the engine uses the one mode read here.
+        self.kv_mode = configured_kv_mode()
+        log.info("%s: NVFP4 KV mode %r ($%s)", BACKEND_NAME, self.kv_mode.name, KV_MODE_ENV)
         self._caches: dict[int, PagedKVCache] = {}
         self._workspace = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._graph: dict[int, ForwardMetadata] = {}
@@ -174,13 +181,17 @@ class NVFP4XQABackend(AttentionBackend):
             if layer.logit_cap and layer.logit_capping_method != "tanh":
                 raise NotImplementedError(f"logit capping {layer.logit_capping_method!r} is not supported")
             k, v, k_sf, v_sf = self.token_to_kv_pool.get_raw_kv_buffer(layer.layer_id)
-            cache = self._caches[layer.layer_id] = PagedKVCache.from_token_rows(k, k_sf, v, v_sf, self.page_size)
+            cache = self._caches[layer.layer_id] = PagedKVCache.from_token_rows(k, k_sf, v, v_sf, self.page_size,
+                                                                                  mode=self.kv_mode)
         return cache
 
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks=None, **kwargs):
         unknown = sorted(name for name, value in kwargs.items() if value is not None and value is not False)
         if unknown:  # e.g. return_lse, k_rope: silently dropping them would return wrong results
             raise NotImplementedError(f"{BACKEND_NAME} does not support attention arguments {unknown}")
+        if not save_kv_cache and self.kv_mode.rotation != "none":
+            raise NotImplementedError(f"save_kv_cache=False: K/V stored by another writer are not rotated, and "
+                                      f"${KV_MODE_ENV}={self.kv_mode.name} reads a rotated cache")
         cache = self._cache(layer)
         lid = layer.layer_id  # global ids index the recipe's scales (views: no host sync)
         k_g, v_g = self.quant.k_scales_gpu[lid:lid + 1], self.quant.v_scales_gpu[lid:lid + 1]

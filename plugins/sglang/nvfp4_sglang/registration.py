@@ -194,6 +194,14 @@ def kv4_compatibility_hook(server_args, previous) -> None:
     if view.speculative_algorithm is not None:
         raise ValueError(f"speculative decoding ({view.speculative_algorithm}) is not supported by "
                          f"{BACKEND_NAME} yet (no target-verify / draft-extend path)")
+    if prefill != decode:
+        from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
+        mode = configured_kv_mode()
+        if mode.rotation != "none":
+            # the prefill backend writes and reads unrotated K/V with SGLang's own quantizer
+            raise ValueError(f"${KV_MODE_ENV}={mode.name} rotates the cache, which prefill backend {prefill!r} "
+                             f"would write and read unrotated; use --attention-backend {BACKEND_NAME} for both "
+                             f"phases, or a mode without rotation ('plain' or '6or4')")
     if view.page_size is None:
         declare_resolution(server_args, "nvfp4_xqa", page_size=DEFAULT_PAGE_SIZE)
     elif view.page_size <= 0 or view.page_size & (view.page_size - 1):

@@ -38,6 +38,19 @@ def tiny_model_dir(tmp_path):
     return str(tmp_path)
 
 
+def rotated(x, mode):
+    """What the pool holds for x before quantization: x, or x H in x's dtype (as the core rotates)."""
+    if mode.rotation == "none":
+        return x
+    return (x.float() @ fmt.hadamard(x.shape[-1])).to(x.dtype)
+
+
+def stored_values(x, g, mode):
+    """fp64 values attention sees for x: quantized with the mode, dequantized, rotated back."""
+    y = fmt.dequantize(*fmt.quantize(rotated(x, mode), g, mode.scale_rule), g, torch.float64)
+    return y if mode.rotation == "none" else y @ fmt.hadamard(x.shape[-1], dtype=torch.float64)
+
+
 class Harness:
     """Requests that grow by extend/decode steps over a real pool, checked against dense fp64."""
 
@@ -128,11 +141,12 @@ class Harness:
     def record(self, fb, layer, k, v):
         """Keep the K/V each real request stores, as NVFP4 holds them (quantize -> dequantize)."""
         kg, vg = self.scales[layer.layer_id]
+        mode = self.backend.kv_mode
         row = 0
         for req, n in fb.nvfp4_test_new.items():
             ks, vs = self.kv.setdefault((req, layer.layer_id), ([], []))
             for x, g, dst in ((k, kg, ks), (v, vg, vs)):
-                dst.extend(fmt.dequantize(*fmt.quantize(x[row:row + n].cpu(), g), g, torch.float64))
+                dst.extend(stored_values(x[row:row + n].cpu(), g, mode))
             row += n
 
     def expected(self, fb, layer, q, sinks=None):

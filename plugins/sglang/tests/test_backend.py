@@ -5,9 +5,10 @@ pool with randomly ordered pages, then checks every layer's output and the pool 
 """
 import pytest
 import torch
-from conftest import Harness, assert_close
+from conftest import Harness, assert_close, rotated
 
 from nvfp4_backend import format as fmt
+from nvfp4_backend.layout import KV_MODE_ENV, KVMode
 
 # new tokens per request, step by step (awkward lengths leave partial pages)
 SCENARIOS = {
@@ -43,6 +44,38 @@ def test_pool_rows_hold_what_the_format_writes():
     untouched = torch.ones(h.pool.k_buffer[1].shape[0], dtype=torch.bool)
     untouched[loc] = False
     assert not h.pool.k_buffer[1][untouched].any(), "bytes written outside out_cache_loc"
+
+
+@pytest.mark.parametrize("mode", ["6or4", "hadamard", "hadamard-6or4"])
+def test_kv_mode_from_the_environment(monkeypatch, mode):
+    """$NVFP4_BACKEND_KV_MODE: the pool holds quantize(x H) with the mode's scale rule, and prefill,
+    chunked prefill and decode equal dense attention over those values rotated back."""
+    monkeypatch.setenv(KV_MODE_ENV, mode)
+    h = Harness(page_size=4)
+    assert h.backend.kv_mode == KVMode.from_name(mode)
+    for new, decode in SCENARIOS["chunked_prefill"]:
+        fb = h.batch(new, decode=decode)
+        assert_close(h.run_step(fb))
+    layer = h.layers[1]
+    fb = h.batch({1: 1}, decode=True)
+    h.backend.init_forward_metadata(fb)
+    q, k, v = h.qkv(fb, layer)
+    h.backend.forward(q, k, v, layer, fb)
+    loc = fb.out_cache_loc
+    packed, scales = fmt.quantize(rotated(k, h.backend.kv_mode), h.scales[1][0], h.backend.kv_mode.scale_rule)
+    assert torch.equal(h.pool.k_buffer[1][loc], packed)
+    assert torch.equal(h.pool.k_scale_buffer[1][loc].view(torch.uint8), scales)
+
+
+def test_rotated_mode_refuses_kv_written_elsewhere(monkeypatch):
+    """save_kv_cache=False means someone else stored unrotated K/V: a rotated cache cannot read it."""
+    monkeypatch.setenv(KV_MODE_ENV, "hadamard")
+    h = Harness(page_size=4)
+    fb = h.batch({1: 5})
+    h.backend.init_forward_metadata(fb)
+    q, k, v = h.qkv(fb, h.layers[0])
+    with pytest.raises(NotImplementedError, match="save_kv_cache=False"):
+        h.backend.forward(q, k, v, h.layers[0], fb, save_kv_cache=False)
 
 
 def test_save_kv_cache_false_does_not_write():

@@ -91,6 +91,18 @@ def test_rejections_name_the_argument(tiny_model_dir, argv, platform, error, mat
         resolve(parse(tiny_model_dir, *argv), platform)
 
 
+def test_rotated_mode_needs_both_phases(tiny_model_dir, monkeypatch):
+    """A prefill backend other than ours writes unrotated K/V: a rotating mode is refused there."""
+    monkeypatch.setenv("NVFP4_BACKEND_KV_MODE", "hadamard-6or4")
+    with pytest.raises(ValueError, match=r"NVFP4_BACKEND_KV_MODE=hadamard-6or4 rotates the cache"):
+        resolve(parse(tiny_model_dir, "--decode-attention-backend", "nvfp4-xqa"), SM90)
+    args = parse(tiny_model_dir, "--attention-backend", "nvfp4-xqa")
+    assert resolve(args, SM90)[:2] == ("nvfp4-xqa", "nvfp4-xqa")
+    monkeypatch.setenv("NVFP4_BACKEND_KV_MODE", "6or4")  # standard bytes: fine with any reader
+    assert resolve(parse(tiny_model_dir, "--decode-attention-backend", "nvfp4-xqa"), SM90)[:2] == \
+        ("flashinfer", "nvfp4-xqa")
+
+
 def test_backend_without_nvfp4_cache_is_rejected(tiny_model_dir):
     with pytest.raises(ValueError, match="add --kv-cache-dtype nvfp4"):
         resolve(parse(tiny_model_dir, "--attention-backend", "nvfp4-xqa", kv="auto"))

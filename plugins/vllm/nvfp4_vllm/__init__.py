@@ -25,6 +25,9 @@ __all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH"]
 BACKEND_NAME = "NVFP4_XQA"
 BACKEND_CLASS_PATH = "nvfp4_vllm.backend.Nvfp4XqaBackend"
 KV_CACHE_DTYPE = "nvfp4"
+# vLLM's name for the same bytes with each block's scale chosen between max/6 and max/4 by squared
+# error (vLLM serves it on SM100 only); here it selects the core's "6or4" scale rule on SM80+.
+KV_CACHE_DTYPE_4OVER6 = "nvfp4_4over6"
 
 log = logging.getLogger("nvfp4_vllm")
 

@@ -31,15 +31,20 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
 
+from vllm.logger import init_logger
+
 from nvfp4_backend import PagedKVCache, ops
 from nvfp4_backend import format as fmt
+from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
 from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
 
-from . import BACKEND_NAME, KV_CACHE_DTYPE
+from . import BACKEND_NAME, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
 
 HEAD_SIZES = list(fmt.SUPPORTED_HEAD_DIMS)
 BLOCK_SIZES = [16, 32, 64, 128]
 MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
+
+logger = init_logger(__name__)
 
 
 def kernel_max_query_len(group_size: int, head_size: int) -> int:
@@ -52,7 +57,7 @@ def kernel_max_query_len(group_size: int, head_size: int) -> int:
 
 class Nvfp4XqaBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = [KV_CACHE_DTYPE]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6]
     # vLLM calls do_kv_cache_update (quantize-on-write) before forward.
     forward_includes_kv_cache_update: bool = False
 
@@ -123,8 +128,8 @@ class Nvfp4XqaBackend(AttentionBackend):
         detail = {
             "head_size not supported": f"head_size {head_size} is not one of {HEAD_SIZES}",
             "dtype not supported": f"dtype {dtype} is not float16 or bfloat16",
-            "kv_cache_dtype not supported": f"kv_cache_dtype {kv_cache_dtype!r} is not "
-                                            f"{KV_CACHE_DTYPE!r} (pass --kv-cache-dtype {KV_CACHE_DTYPE})",
+            "kv_cache_dtype not supported": f"kv_cache_dtype {kv_cache_dtype!r} is not one of "
+                                            f"{cls.supported_kv_cache_dtypes} (pass --kv-cache-dtype {KV_CACHE_DTYPE})",
             "block_size not supported": f"block_size {block_size} is not a multiple of one of {BLOCK_SIZES}",
             "compute capability not supported": f"compute capability {device_capability} is below "
                                                 f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}",
@@ -249,9 +254,9 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             raise NotImplementedError(f"{BACKEND_NAME} does not support ALiBi (alibi_slopes)")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got attn_type={attn_type}")
-        if kv_cache_dtype != KV_CACHE_DTYPE:
+        if kv_cache_dtype not in (KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6):
             raise ValueError(f"{BACKEND_NAME} reads an NVFP4 cache only, got kv_cache_dtype={kv_cache_dtype!r}; "
-                             f"pass --kv-cache-dtype {KV_CACHE_DTYPE}")
+                             f"pass --kv-cache-dtype {KV_CACHE_DTYPE} (or {KV_CACHE_DTYPE_4OVER6})")
         if head_size not in HEAD_SIZES:
             raise ValueError(f"{BACKEND_NAME}: head_size {head_size} is not one of {HEAD_SIZES}")
         self.num_heads = num_heads
@@ -268,6 +273,13 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
         if sinks is not None and sinks.shape != (num_heads,):
             raise ValueError(f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}")
         self.sinks = sinks
+        # This backend both writes and reads the cache, so every layer of the engine uses the one
+        # mode read here (the process environment), never a cache written with another.
+        self.kv_mode = configured_kv_mode()
+        if kv_cache_dtype == KV_CACHE_DTYPE_4OVER6:
+            self.kv_mode = replace(self.kv_mode, scale_rule="6or4")
+        logger.info_once(f"{BACKEND_NAME}: NVFP4 KV mode {self.kv_mode.name!r} (${KV_MODE_ENV}, "
+                         f"--kv-cache-dtype {kv_cache_dtype})")
         self._cache_key: tuple | None = None
         self._cache: PagedKVCache | None = None
 
@@ -290,7 +302,7 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             # same bytes as a page-contiguous [B, N, 2H, C] view, which it accepts.
             pages = kv_cache if hnd else kv_cache.transpose(1, 2)
             self._cache = PagedKVCache.from_inline_pages(pages, block_size, self.num_kv_heads, self.head_size,
-                                                         head_major=hnd)
+                                                         head_major=hnd, mode=self.kv_mode)
             self._cache_key = key
         return self._cache
 

@@ -35,6 +35,11 @@ def test_accepts_compute_capabilities(cap):
     assert validate(device_capability=DeviceCapability(*cap)) == []
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["nvfp4", "nvfp4_4over6"])
+def test_accepts_both_nvfp4_cache_dtypes(kv_cache_dtype):
+    assert validate(kv_cache_dtype=kv_cache_dtype) == []
+
+
 def test_accepts_features_the_kernels_have():
     assert validate(has_sink=True, has_sliding_window=True) == []
 
@@ -43,9 +48,8 @@ def test_accepts_features_the_kernels_have():
     (dict(head_size=96), "head_size 96 is not one of [64, 128, 256]"),
     (dict(head_size=512), "head_size 512"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not float16 or bfloat16"),
-    (dict(kv_cache_dtype="auto"), "kv_cache_dtype 'auto' is not 'nvfp4'"),
+    (dict(kv_cache_dtype="auto"), "kv_cache_dtype 'auto' is not one of ['nvfp4', 'nvfp4_4over6']"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8'"),
-    (dict(kv_cache_dtype="nvfp4_4over6"), "kv_cache_dtype 'nvfp4_4over6'"),
     (dict(block_size=8), "block_size 8 is not a multiple of one of [16, 32, 64, 128]"),
     (dict(device_capability=DeviceCapability(7, 5)), "is below 8.0"),
     (dict(use_mla=True), "MLA not supported"),

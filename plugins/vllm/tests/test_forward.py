@@ -22,6 +22,7 @@ from vllm.v1.worker.utils import customize_attention_spec
 
 from conftest import cuda_or_skip, make_layer
 from nvfp4_backend import format as fmt
+from nvfp4_backend.layout import KV_MODE_ENV, KVMode
 from nvfp4_vllm.backend import Nvfp4XqaBackend as Backend
 
 NUM_BLOCKS = 48
@@ -165,14 +166,24 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
                 other_before=other_before, other_after=other_layer, k_scale=0.5, v_scale=0.25)
 
 
-def roundtrip(x, scale):
-    return fmt.dequantize(*fmt.quantize(x.float(), scale), scale, torch.float64)
+def stored(x, mode: KVMode):
+    """What the cache holds for x in a mode: x, or x H (bf16, as the core rotates)."""
+    if mode.rotation == "none":
+        return x.float()
+    return (x.float() @ fmt.hadamard(x.shape[-1])).to(x.dtype).float()
+
+
+def roundtrip(x, scale, mode: KVMode = KVMode()):
+    """The values attention sees: dequantized cache contents, rotated back (H H = I)."""
+    y = fmt.dequantize(*fmt.quantize(stored(x, mode), scale, mode.scale_rule), scale, torch.float64)
+    return y if mode.rotation == "none" else y @ fmt.hadamard(x.shape[-1], dtype=torch.float64)
 
 
 def check_step(r, layer, window=None, soft_cap=None, sinks=None, atol=2e-2):
     step, new = r["step"], sum(r["step"].q_lens)
-    keys = [roundtrip(r["k"][idx], r["k_scale"]) for idx in r["order"]]
-    values = [roundtrip(r["v"][idx], r["v_scale"]) for idx in r["order"]]
+    mode = layer.impl.kv_mode
+    keys = [roundtrip(r["k"][idx], r["k_scale"], mode) for idx in r["order"]]
+    values = [roundtrip(r["v"][idx], r["v_scale"], mode) for idx in r["order"]]
     want = oracle(r["q"][:new], keys, values, step.q_lens, layer.impl.scale, window, soft_cap, sinks)
     got = r["output"][:new].double()
     assert torch.isfinite(got).all()
@@ -187,8 +198,9 @@ def check_cache_bytes(r, layer):
     step = r["step"]
     slots = torch.cat([step.context_slots(), step.new_slots()])
     page, offset = slots // step.block_size, slots % step.block_size
+    mode = layer.impl.kv_mode
     for x, scale, data, sf in ((r["k"], r["k_scale"], k_data, k_sf), (r["v"], r["v_scale"], v_data, v_sf)):
-        want_data, want_sf = fmt.quantize(x.float(), scale)
+        want_data, want_sf = fmt.quantize(stored(x, mode), scale, mode.scale_rule)
         torch.testing.assert_close(token_major(data, layout)[page, offset].cpu(), want_data, atol=0, rtol=0)
         torch.testing.assert_close(token_major(sf, layout)[page, offset].cpu(), want_sf, atol=0, rtol=0)
 
@@ -218,6 +230,42 @@ def test_window_soft_cap_sinks_fp16(make_config, device, dtype):
     assert layer.impl.sliding_window == 24
     r = run_step(config, layer, KVCacheLayout.LBHNC, "mixed", device, dtype=dtype)
     check_step(r, layer, window=24, soft_cap=30.0, sinks=sinks.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["6or4", "hadamard", "hadamard-6or4"])
+def test_kv_mode_from_the_environment(make_config, monkeypatch, device, mode):
+    """$NVFP4_BACKEND_KV_MODE selects the mode: the cache holds quantize(x H) with the mode's scale
+    rule (read through vLLM's own page views) and attention equals the unrotated oracle."""
+    cuda_or_skip(device)
+    monkeypatch.setenv(KV_MODE_ENV, mode)
+    config = make_config()
+    layer = make_layer(config)
+    assert layer.impl.kv_mode == KVMode.from_name(mode)
+    r = run_step(config, layer, KVCacheLayout.LBHNC, "mixed", device)
+    check_cache_bytes(r, layer)
+    check_step(r, layer)
+
+
+@pytest.mark.parametrize("env, want", [(None, "6or4"), ("hadamard", "hadamard-6or4")])
+def test_nvfp4_4over6_selects_the_6or4_scale_rule(make_config, monkeypatch, env, want):
+    """vLLM's own --kv-cache-dtype nvfp4_4over6 (same bytes) turns on the 6-or-4 scale rule."""
+    if env is None:
+        monkeypatch.delenv(KV_MODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(KV_MODE_ENV, env)
+    config = make_config(kv_cache_dtype="nvfp4_4over6")
+    layer = make_layer(config)
+    assert layer.impl.kv_mode.name == want
+    r = run_step(config, layer, KVCacheLayout.LBNHC, "mixed", "cpu")
+    check_cache_bytes(r, layer)
+    check_step(r, layer)
+
+
+def test_bad_kv_mode_stops_the_layer(make_config, monkeypatch):
+    monkeypatch.setenv(KV_MODE_ENV, "hadamard-4or6")
+    with pytest.raises(ValueError, match=r"\$NVFP4_BACKEND_KV_MODE: KV mode must be one of"):
+        make_layer(make_config())
 
 
 @pytest.mark.parametrize("head_size, num_heads, num_kv_heads", [(64, 4, 4), (256, 8, 1)])
