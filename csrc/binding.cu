@@ -46,7 +46,8 @@ int log2_exact(int64_t x, const char* name) {
 }
 
 void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping, Tensor& k_data, Tensor& k_sf,
-              Tensor& v_data, Tensor& v_sf, const Tensor& k_global, const Tensor& v_global) {
+              Tensor& v_data, Tensor& v_sf, const Tensor& k_global, const Tensor& v_global,
+              c10::string_view scale_rule) {
   const c10::cuda::CUDAGuard guard(key.device());
   check_cache(k_data, k_sf, v_data, v_sf, key.device());
   TORCH_CHECK(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
@@ -77,6 +78,8 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.page_size = k_data.size(1);
   p.num_slots = k_data.size(0) * k_data.size(1);
   p.dtype = query_type(key, "key");
+  TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
+  p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
   TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
@@ -147,7 +150,8 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
 
 TORCH_LIBRARY(nvfp4_backend_C, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
-        "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale) -> ()");
+        "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
+        "str scale_rule) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "

@@ -7,6 +7,8 @@
 namespace nvfp4 {
 
 enum class QueryType : int { kFloat16 = 0, kBFloat16 = 1 };
+// How the writer picks a block's E4M3 scale (format.SCALE_RULES: "6", "6or4").
+enum class ScaleRule : int { kSix = 0, kSixOrFour = 1 };
 
 // Strides, in bytes, of one strided view [num_pages, page_size, num_kv_heads, bytes].
 struct PageStrides {
@@ -26,6 +28,7 @@ struct WriteKVParams {
   int num_tokens, num_kv_heads, head_dim, page_size;
   int64_t num_slots;
   QueryType dtype;
+  ScaleRule scale_rule;
 };
 
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).

@@ -1,5 +1,7 @@
 // Quantize-on-write.  One thread per 16-element block of one token-head of K or V: it reads
 // 32 contiguous bytes, computes the block scale and the 16 codes, and writes 8 + 1 bytes.
+// Scale rule "6or4" (format.SCALE_RULES) also encodes the block with its maximum mapped to 4 and
+// keeps whichever has the smaller squared error.
 // The fp32 operations and their order are the ones nvfp4_backend/format.py documents; the
 // __f*_rn intrinsics keep nvcc from contracting or approximating them, so the result is
 // bit-identical to the reference.
@@ -23,6 +25,42 @@ __device__ __forceinline__ uint32_t e2m1_code(float q) {
   uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                   (a >= 3.5f) + (a > 5.0f);
   return code | (signbit(q) ? 0x8u : 0u);
+}
+
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMagnitudes[code & 7u];
+  return (code & 8u) ? -m : m;
+}
+
+// The E4M3 scale for a block maximum mapped onto `target`, its value, and the codes.
+struct BlockChoice {
+  uint8_t sf_byte;
+  float sf_value;
+  uint32_t packed[2];
+};
+
+__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, float target) {
+  BlockChoice c;
+  const __nv_fp8_e4m3 sf(__fdiv_rn(amax, target));  // RNE, satfinite at 448 (Inf too)
+  c.sf_byte = sf.__x;
+  c.sf_value = float(sf);
+  const float inv = c.sf_value > 0.0f ? __fdiv_rn(1.0f, c.sf_value) : 0.0f;
+  c.packed[0] = c.packed[1] = 0u;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) c.packed[i / 8] |= e2m1_code(__fmul_rn(scaled[i], inv)) << (4 * (i % 8));
+  return c;
+}
+
+// Squared reconstruction error in element order 0..15, unfused: format._block_sq_error.
+__device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], const BlockChoice& c) {
+  float err = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    const float diff = __fsub_rn(scaled[i], __fmul_rn(e2m1_value(c.packed[i / 8] >> (4 * (i % 8))), c.sf_value));
+    err = __fadd_rn(err, __fmul_rn(diff, diff));
+  }
+  return err;
 }
 
 template <typename T>
@@ -58,27 +96,24 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
     has_nan |= isnan(scaled[i]);
     amax = fmaxf(amax, fabsf(scaled[i]));
   }
-  uint8_t sf_byte;
-  float inv = 0.0f;
+  BlockChoice choice;
   if (has_nan) {
-    sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
+    choice.sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
+    choice.packed[0] = choice.packed[1] = 0u;
   } else {
-    const __nv_fp8_e4m3 sf(__fdiv_rn(amax, 6.0f));  // RNE, satfinite at 448 (Inf too)
-    sf_byte = sf.__x;
-    const float sf_value = float(sf);
-    if (sf_value > 0.0f) inv = __fdiv_rn(1.0f, sf_value);
-  }
-  uint32_t packed[2] = {0u, 0u};
-  if (!has_nan) {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) packed[i / 8] |= e2m1_code(__fmul_rn(scaled[i], inv)) << (4 * (i % 8));
+    choice = encode_block(scaled, amax, 6.0f);
+    if (p.scale_rule == ScaleRule::kSixOrFour) {
+      // the maximum-of-4 scale wins only when strictly better: a tie keeps the standard scale
+      const BlockChoice four = encode_block(scaled, amax, 4.0f);
+      if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
+    }
   }
   uint8_t* data = (side ? p.v_data : p.k_data) + page * p.data_strides.page +
                   in_page * p.data_strides.token + head * p.data_strides.head + block * (kBlock / 2);
-  *reinterpret_cast<uint2*>(data) = make_uint2(packed[0], packed[1]);
+  *reinterpret_cast<uint2*>(data) = make_uint2(choice.packed[0], choice.packed[1]);
   uint8_t* scales = (side ? p.v_block_scales : p.k_block_scales) + page * p.scale_strides.page +
                     in_page * p.scale_strides.token + head * p.scale_strides.head;
-  scales[block] = sf_byte;
+  scales[block] = choice.sf_byte;
 }
 
 }  // namespace

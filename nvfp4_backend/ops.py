@@ -113,9 +113,8 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
                    k_global_scale, v_global_scale, scale_rule="6") -> None:
     from . import jit
-    # head dims the kernels were tested with on a GPU; any other multiple of 16, and the "6or4"
-    # scale rule (not in the kernel yet), take the reference
-    if (key.is_cuda and scale_rule == "6" and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS
+    # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
+    if (key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS
             and jit.kernels_available(key.device)):
         if key.stride() != value.stride() or any(st % 8 for st in key.stride()[:2]):
             # the kernel reads K and V with one set of 16-byte-aligned strides (torch calls a tensor
@@ -123,7 +122,7 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
             key = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
             value = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
         jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
-                                      v_block_scales, k_global_scale, v_global_scale)
+                                      v_block_scales, k_global_scale, v_global_scale, scale_rule)
         return
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
     reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale, scale_rule)
