@@ -274,6 +274,9 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
     if any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[0] < 0 or qsl[-1] > q.shape[0]:
         raise ValueError(f"query_start_loc must rise from >= 0 to <= {q.shape[0]} query tokens, got {qsl}")
     lens = seq_lens.tolist()
+    for b, (s, a, e) in enumerate(zip(lens, qsl, qsl[1:])):
+        if e - a > s:  # the queries are the last q_len of the request's seq_len positions
+            raise ValueError(f"seq_lens[{b}] = {s} is shorter than the request's {e - a} query tokens")
     capacity = block_table.shape[1] * cache.page_size
     if min(lens) < 0 or max(lens) > capacity:
         raise ValueError(f"seq_lens must lie in [0, {capacity}] (block_table width x page_size), got max {max(lens)}")

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|sanitize|all] [extra pytest args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|hardening|sanitize|all] [extra pytest args]
 set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/
+# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/ (and tqdm)
 if ls .whl-fi/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -33,9 +33,19 @@ case $mode in
            --plot "$OUT/bench_modes.png" 2>&1 | tee "$OUT/bench_modes.log" | tail -20 ;;
 esac
 case $mode in
+  hardening)  # issue 8: 1000 fuzz configurations, long contexts, bad values, streams, long-context bandwidth
+    python3 -m nvfp4_backend.cli fuzz --configs ${FUZZ_CONFIGS:-1000} --seed ${FUZZ_SEED:-0} --out "$OUT/fuzz.json" 2>&1 \
+      | grep -v "it/s" | tee "$OUT/fuzz.log" | tail -6
+    python3 -m pytest -q tests/test_kernels_gpu.py -k "long_contexts or bad_values or stream or fuzz_fixed or determinism" \
+      2>&1 | tee "$OUT/gpu_hardening_tests.log" | tail -4
+    python3 -m nvfp4_backend.cli bench --no-peers --grid 1x262144,8x131072,4x262144 --page-sizes 16 --spec-q-len 0 \
+      --out "$OUT/bench_long.json" --plot "$OUT/bench_long.png" 2>&1 | tee "$OUT/bench_long.log" | tail -6 ;;
+esac
+case $mode in
   sanitize)
-    for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "$@" 2>&1 \
+    # SANITIZE_TOOLS (default all three); extra args: a pytest -k expression (none: the whole suite)
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+      compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py ${1:+-k "$1"} 2>&1 \
         | tee "$OUT/sanitizer_$tool.log" | tail -8
     done ;;
 esac

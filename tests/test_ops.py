@@ -253,6 +253,7 @@ ATTN_BAD = {
     "block_table_page_out_of_range": pytest.param(
         lambda a: a["block_table"].__setitem__((0, 0), a["cache"].num_pages), ValueError, "block_table",
         marks=_OUT_OF_RANGE_READS),
+    "seq_len_shorter_than_queries": (lambda a: a["seq_lens"].__setitem__(0, 0), ValueError, r"seq_lens\[0\] = 0"),
     "qsl_past_q_tokens": pytest.param(
         lambda a: a["query_start_loc"].__setitem__(-1, a["q"].shape[0] + 2), ValueError, "query_start_loc",
         marks=_OUT_OF_RANGE_READS),
