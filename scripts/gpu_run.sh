@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|hardening|sanitize|all] [extra pytest args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|hardening|engines|sanitize|all] [extra args]
 set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +40,12 @@ case $mode in
       2>&1 | tee "$OUT/gpu_hardening_tests.log" | tail -4
     python3 -m nvfp4_backend.cli bench --no-peers --grid 1x262144,8x131072,4x262144 --page-sizes 16 --spec-q-len 0 \
       --out "$OUT/bench_long.json" --plot "$OUT/bench_long.png" 2>&1 | tee "$OUT/bench_long.log" | tail -6 ;;
+esac
+case $mode in
+  engines)  # issue 4 / 6: the plugins' call patterns on the GPU, prefill vs FlashInfer
+    python3 plugins/vllm/scripts/gpu_check.py 2>&1 | tee "$OUT/vllm_gpu_check.log" | tail -6
+    python3 -m nvfp4_backend.cli bench --prefill ${PREFILL_GRID:-1x0x4096,1x12288x4096,8x2048x512,4x0x16384} \
+      --page-sizes 16 --iters 20 --out "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" | tail -12 ;;
 esac
 case $mode in
   sanitize)

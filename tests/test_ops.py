@@ -105,6 +105,27 @@ def test_extend_attention_matches_reference(chunk, make_batch, gen, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_extend_attention_sdpa_path_matches_reference(dtype, make_batch, gen):
+    """Plain causal extends go through SDPA on a lossless q-dtype workspace (global scales folded
+    into the softmax scale and the output): the reference up to q-dtype rounding."""
+    step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
+                      q_dtype=dtype, k_global_scale=0.37, v_global_scale=3.1)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
+    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(step.k_global_scale),
+            torch.tensor(step.v_global_scale), step.softmax_scale)
+    got = ops.extend_attention(*args)
+    want = reference.paged_attention_ref(*args, dtype=torch.float64)
+    assert float((got.double() - want).norm() / want.norm()) < 4e-3
+    # the workspace itself is exact: dequantized without the global scale, in q's dtype
+    k, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
+                                   torch.tensor(1.0), dtype)
+    k64, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
+                                     torch.tensor(1.0), torch.float64)
+    assert torch.equal(k.double(), k64)
+
+
 @pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim", [
     (64, 8, 4, 1, 4096, 128), (1, 1, 8, 2, 4096, 128), (3, 2, 16, 4, 300, 64), (1, 1, 1, 1, 100, 256),
     (2, 4, 4, 8, 70000, 256)])
