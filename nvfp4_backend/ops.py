@@ -318,9 +318,10 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
     dense K/V workspace once, then dense attention.  Prefill is compute-bound, so reading the NVFP4
     pages once per request and layer is not the cost that matters here.
 
-    Plain causal attention goes to torch's SDPA (FlashAttention on GPUs) with K/V in q's dtype
-    WITHOUT the global scales: e2m1 x e4m3 products are exact in fp16 and bf16, so the workspace
-    is lossless, and the scales fold into the softmax scale (K) and the output (V).  A window,
+    Plain causal attention goes to torch's SDPA (FlashAttention on GPUs) with K/V in fp16 (bf16
+    for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
+    there, so the workspace is lossless, and the scales fold into the softmax scale (K) and the
+    output (V).  A window,
     soft-cap or sinks take the reference math in fp32, its score buffer bounded by
     EXTEND_CHUNK_TOKENS query rows.
     """
@@ -332,16 +333,19 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
         from torch.nn.attention.bias import causal_lower_right
         one = torch.ones((), dtype=torch.float32, device=q.device)
         scale = float(softmax_scale) * float(k_global_scale)
+        # fp16 holds the workspace exactly too (|e2m1 x e4m3| <= 2688) and rounds P and the output
+        # 8x finer than bf16, so bf16 queries run in fp16 unless they exceed its range
+        work = torch.float16 if q.dtype == torch.float16 or float(q.abs().amax()) < 6e4 else q.dtype
     for b, seq_len in enumerate(lens):
         q_begin, q_end = qsl[b], qsl[b + 1]
         if q_end <= q_begin:
             continue
         if plain:
-            k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], one, one, q.dtype)
+            k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], one, one, work)
             group = q.shape[1] // cache.num_kv_heads
             # [1, heads, tokens, D], kv heads repeated per group (SDPA's fused kernels want equal heads)
             kh, vh = (x[0].transpose(0, 1).repeat_interleave(group, 0)[None] for x in (k, v))
-            qh = q[q_begin:q_end].transpose(0, 1)[None]
+            qh = q[q_begin:q_end].to(work).transpose(0, 1)[None]
             o = torch.nn.functional.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale)
             out[q_begin:q_end] = o[0].transpose(0, 1).float() * v_global_scale

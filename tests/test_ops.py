@@ -118,12 +118,26 @@ def test_extend_attention_sdpa_path_matches_reference(dtype, make_batch, gen):
     got = ops.extend_attention(*args)
     want = reference.paged_attention_ref(*args, dtype=torch.float64)
     assert float((got.double() - want).norm() / want.norm()) < 4e-3
-    # the workspace itself is exact: dequantized without the global scale, in q's dtype
-    k, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
-                                   torch.tensor(1.0), dtype)
+    # the workspace itself is exact: dequantized without the global scale, in fp16 or bf16
     k64, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
                                      torch.tensor(1.0), torch.float64)
-    assert torch.equal(k.double(), k64)
+    for work in (torch.float16, torch.bfloat16):
+        k, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
+                                       torch.tensor(1.0), work)
+        assert torch.equal(k.double(), k64)
+
+
+def test_extend_attention_bf16_queries_past_fp16_range(make_batch):
+    step = make_batch((30,), (30,), page_size=16, num_kv_heads=1, group_size=2, head_dim=64,
+                      q_dtype=torch.bfloat16)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 1, 64)
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, 1.0, 1.0)
+    q = step.q * 1e5  # past fp16's range: the bf16 workspace serves it
+    args = (q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(1.0), torch.tensor(1.0),
+            1e-6)
+    got = ops.extend_attention(*args)
+    want = reference.paged_attention_ref(*args, dtype=torch.float64)
+    assert torch.isfinite(got).all() and float((got.double() - want).norm() / want.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim", [
