@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|hardening|engines|sanitize|all] [extra args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|hardening|engines|demo|sanitize|all] [extra args]
 set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,6 +46,15 @@ case $mode in
     python3 plugins/vllm/scripts/gpu_check.py 2>&1 | tee "$OUT/vllm_gpu_check.log" | tail -6
     python3 -m nvfp4_backend.cli bench --prefill ${PREFILL_GRID:-1x0x4096,1x12288x4096,8x2048x512,4x0x16384} \
       --page-sizes 16 --iters 20 --out "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" | tail -12 ;;
+esac
+case $mode in
+  demo)  # issue 6: the README's main job on the GPU (model halves from scripts/split_default_model.sh)
+    cat .model-a/part .model-b/part > /tmp/smollm2.gguf
+    echo "$(cat .model-b/sha256)  /tmp/smollm2.gguf" | sha256sum -c - || exit 1
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .model-b/gguf-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    python3 -m nvfp4_backend.cli demo --device cuda --model /tmp/smollm2.gguf --no-progress --out "$OUT/demo_gpu.json" \
+      2>&1 | tee "$OUT/demo_gpu.log" | tail -40 ;;
 esac
 case $mode in
   sanitize)
