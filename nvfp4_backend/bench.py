@@ -156,6 +156,33 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
     return rows
 
 
+def flashinfer_kv(kv: str, cache: PagedKVCache, layout: str, kg, vg, device):
+    """(K, V, kv dtype, run() kwargs, bytes per element) in FlashInfer's paged layout: [pages, page,
+    heads, D] (NHD) or [pages, heads, page, D] (HND).  NVFP4 is our cache's own bytes (its views are
+    [pages, page, heads, ·] in both layouts, so HND is handed over transposed); BF16 / FP8 are
+    random caches of the same shape."""
+    ps, hkv, d = cache.page_size, cache.num_kv_heads, cache.head_dim
+    view = (lambda t: t.transpose(1, 2)) if layout == "HND" else (lambda t: t)
+    if kv == "nvfp4":
+        return (view(cache.k_data), view(cache.v_data), torch.uint8,
+                dict(k_scale=float(kg), v_scale=float(vg),
+                     kv_cache_sf=(view(cache.k_block_scales).view(torch.float8_e4m3fn),
+                                  view(cache.v_block_scales).view(torch.float8_e4m3fn))),
+                fmt.bytes_per_token_head(d) / d)
+    dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    shape = (cache.num_pages, ps, hkv, d) if layout == "NHD" else (cache.num_pages, hkv, ps, d)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+    return k, v, dt, (dict(k_scale=0.02, v_scale=0.03) if kv == "fp8" else {}), (2.0 if kv == "bf16" else 1.0)
+
+
+def _peer_error(out, q, cache, table, seq, qsl, kg, vg, scale, nreq: int, q_len: int) -> float:
+    """FlashInfer's NVFP4 output vs the fp64 reference on the same bytes (first nreq requests)."""
+    ref = reference.paged_attention_ref(q[: nreq * q_len], cache, table[:nreq], seq[:nreq], qsl[: nreq + 1], kg, vg,
+                                        scale, dtype=torch.float64)
+    return float((out[: nreq * q_len].double() - ref).norm() / ref.norm())
+
+
 def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) -> list[dict]:
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
     npp = table.shape[1]
@@ -166,26 +193,18 @@ def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) 
     rows = []
     for kv in ("bf16", "fp8", "nvfp4"):
         try:
-            kw = {}
-            if kv == "nvfp4":
-                kc, vc, dt, bpe = cache.k_data, cache.v_data, torch.uint8, fmt.bytes_per_token_head(d) / d
-                kw = dict(k_scale=float(kg), v_scale=float(vg),
-                          kv_cache_sf=(cache.k_block_scales.view(torch.float8_e4m3fn),
-                                       cache.v_block_scales.view(torch.float8_e4m3fn)))
-            else:
-                dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
-                shape = (cache.num_pages, ps, hkv, d) if args.layout == "NHD" else (cache.num_pages, hkv, ps, d)
-                kc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
-                vc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
-                bpe = 2.0 if kv == "bf16" else 1.0
-                if kv == "fp8":
-                    kw = dict(k_scale=0.02, v_scale=0.03)
+            kc, vc, dt, kw, bpe = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
             w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout, use_tensor_cores=True)
             w.plan(indptr, table.flatten(), last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dt)
             out = torch.empty_like(q)
             t = time_graph(lambda: w.run(q, (kc, vc), out=out, **kw), args.iters)
-            rows.append(dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
-                             tbps=elems * bpe / (t * 1e-6) / 1e12))
+            row = dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
+                       tbps=elems * bpe / (t * 1e-6) / 1e12)
+            if kv == "nvfp4":
+                seq = torch.full((B,), L, dtype=torch.int32, device=device)
+                qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+                row["rel_err"] = _peer_error(out, q, cache, table, seq, qsl, kg, vg, 1 / math.sqrt(d), min(B, 2), 1)
+            rows.append(row)
             del kc, vc
         except Exception as exc:
             print(f"  flashinfer {kv} B={B} L={L} ps={ps}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
@@ -228,24 +247,17 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
         last = torch.full((B,), L - (npp - 1) * page_size, dtype=torch.int32, device=device)
         for kv in ("bf16", "nvfp4"):
             try:
-                kw = {}
-                if kv == "nvfp4":
-                    kc, vc, dt = cache.k_data, cache.v_data, torch.uint8
-                    kw = dict(k_scale=float(kg), v_scale=float(vg),
-                              kv_cache_sf=(cache.k_block_scales.view(torch.float8_e4m3fn),
-                                           cache.v_block_scales.view(torch.float8_e4m3fn)))
-                else:
-                    shape = (pages, page_size, hkv, d) if args.layout == "NHD" else (pages, hkv, page_size, d)
-                    kc = torch.randn(shape, device=device, dtype=torch.bfloat16)
-                    vc = torch.randn(shape, device=device, dtype=torch.bfloat16)
-                    dt = torch.bfloat16
+                kc, vc, dt, kw, _ = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
                 w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, args.layout)
                 w.plan(qo, indptr, table.flatten(), last, hq, hkv, d, page_size, causal=True,
                        q_data_type=torch.bfloat16, kv_data_type=dt)
                 fo = torch.empty_like(q)
                 tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters)
-                rows.append(dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
-                                 tflops=flops / (tf * 1e-6) / 1e12))
+                row = dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
+                           tflops=flops / (tf * 1e-6) / 1e12)
+                if kv == "nvfp4":
+                    row["rel_err"] = float((fo[new - n:new].double() - ref).norm() / ref.norm())
+                rows.append(row)
             except Exception as exc:
                 print(f"  flashinfer prefill {kv} B={B} C={ctx} N={new}: {type(exc).__name__}: {str(exc)[:200]}",
                       file=sys.stderr)
@@ -327,7 +339,8 @@ def run(args) -> int:
 
 def _fmt_rows(rows) -> str:
     return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
-                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e} splits={r['splits']}" if 'rel_err' in r else "")
+                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
+                     + (f" splits={r['splits']}" if 'splits' in r else "")
                      for r in rows)
 
 

@@ -245,7 +245,7 @@ def run(args) -> int:
                        failure=f"{type(exc).__name__}: {exc}")
         records.append(rec)
         if not rec["ok"]:
-            print(f"FAIL {rec['summary']}: {rec['failure']}", flush=True)
+            tqdm.write(f"FAIL {rec['summary']}: {rec['failure']}", file=sys.stdout)
     failures = [r for r in records if not r["ok"]]
     errs = [r["rel_err"] for r in records if "rel_err" in r]
     print(f"{len(records)} configurations, {len(failures)} failures, {time.time() - t0:.0f} s; "

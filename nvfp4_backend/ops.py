@@ -244,15 +244,18 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
     rotated = cache.mode.rotation == "hadamard"
-    # with a rotated cache: q H in, and the output (P V H) rotated back; rows that belong to no
-    # request come out as 0 here
+    # with a rotated cache: q H in, and the output (P V H) rotated back
     target = torch.zeros_like(q) if rotated else out
     torch.ops.nvfp4_backend.paged_attention(
         target, _rotate(q) if rotated else q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
         plan.num_splits, workspace)
     if rotated:
-        out.copy_(_rotate(target))
+        # rows that belong to no request stay untouched, as without rotation (a mask, not a host
+        # read of query_start_loc, so this captures in CUDA graphs)
+        rows = torch.arange(q.shape[0], device=dev)
+        live = (rows >= query_start_loc[0]) & (rows < query_start_loc[-1])
+        out.copy_(torch.where(live[:, None, None], _rotate(target), out))
     return out
 
 
@@ -342,12 +345,11 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
             continue
         if plain:
             k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], one, one, work)
-            group = q.shape[1] // cache.num_kv_heads
-            # [1, heads, tokens, D], kv heads repeated per group (SDPA's fused kernels want equal heads)
-            kh, vh = (x[0].transpose(0, 1).repeat_interleave(group, 0)[None] for x in (k, v))
+            # [1, heads, tokens, D]; q head h reads kv head h // group (enable_gqa: no copies per group)
+            kh, vh = (x[0].transpose(0, 1)[None] for x in (k, v))
             qh = q[q_begin:q_end].to(work).transpose(0, 1)[None]
             o = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale)
+                qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale, enable_gqa=True)
             out[q_begin:q_end] = o[0].transpose(0, 1).float() * v_global_scale
             continue
         k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], k_global_scale,
