@@ -458,7 +458,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
     T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
              (int64_t)head * p.out_stride_head + d;
-    TT::store(dst, l > 0.f ? o * (v_scale / l) : 0.f);
+    // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
+    TT::store(dst, l == 0.f ? 0.f : o * (v_scale / l));
   }
 }
 
@@ -484,7 +485,7 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_con
     }
     T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
              (int64_t)head * p.out_stride_head + d;
-    TypeTraits<T>::store(dst, l > 0.f ? o * (v_scale / l) : 0.f);
+    TypeTraits<T>::store(dst, l == 0.f ? 0.f : o * (v_scale / l));
   }
 }
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import format as fmt, ops, reference
+from . import format as fmt, jit, ops, reference
 from .layout import KVMode, PagedKVCache
 
 DEFAULT_GRID = [(64, 8192), (256, 2048), (32, 8192), (8, 32768), (1, 131072), (128, 512), (16, 16384)]
@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip FlashInfer even if importable")
     p.add_argument("--modes", default="plain",
                    help="KV modes to time (comma list of plain, 6or4, hadamard, hadamard-6or4): decode and write cost")
+    p.add_argument("--prefill", default=None,
+                   help="time extends instead of decode: BxCxN triples (B requests, C cached tokens, N new tokens), "
+                        "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None, help="override the split planner's target")
     p.add_argument("--out", default="bench.json")
@@ -153,6 +156,33 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
     return rows
 
 
+def flashinfer_kv(kv: str, cache: PagedKVCache, layout: str, kg, vg, device):
+    """(K, V, kv dtype, run() kwargs, bytes per element) in FlashInfer's paged layout: [pages, page,
+    heads, D] (NHD) or [pages, heads, page, D] (HND).  NVFP4 is our cache's own bytes (its views are
+    [pages, page, heads, ·] in both layouts, so HND is handed over transposed); BF16 / FP8 are
+    random caches of the same shape."""
+    ps, hkv, d = cache.page_size, cache.num_kv_heads, cache.head_dim
+    view = (lambda t: t.transpose(1, 2)) if layout == "HND" else (lambda t: t)
+    if kv == "nvfp4":
+        return (view(cache.k_data), view(cache.v_data), torch.uint8,
+                dict(k_scale=float(kg), v_scale=float(vg),
+                     kv_cache_sf=(view(cache.k_block_scales).view(torch.float8_e4m3fn),
+                                  view(cache.v_block_scales).view(torch.float8_e4m3fn))),
+                fmt.bytes_per_token_head(d) / d)
+    dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    shape = (cache.num_pages, ps, hkv, d) if layout == "NHD" else (cache.num_pages, hkv, ps, d)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
+    return k, v, dt, (dict(k_scale=0.02, v_scale=0.03) if kv == "fp8" else {}), (2.0 if kv == "bf16" else 1.0)
+
+
+def _peer_error(out, q, cache, table, seq, qsl, kg, vg, scale, nreq: int, q_len: int) -> float:
+    """FlashInfer's NVFP4 output vs the fp64 reference on the same bytes (first nreq requests)."""
+    ref = reference.paged_attention_ref(q[: nreq * q_len], cache, table[:nreq], seq[:nreq], qsl[: nreq + 1], kg, vg,
+                                        scale, dtype=torch.float64)
+    return float((out[: nreq * q_len].double() - ref).norm() / ref.norm())
+
+
 def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) -> list[dict]:
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
     npp = table.shape[1]
@@ -163,30 +193,98 @@ def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) 
     rows = []
     for kv in ("bf16", "fp8", "nvfp4"):
         try:
-            kw = {}
-            if kv == "nvfp4":
-                kc, vc, dt, bpe = cache.k_data, cache.v_data, torch.uint8, fmt.bytes_per_token_head(d) / d
-                kw = dict(k_scale=float(kg), v_scale=float(vg),
-                          kv_cache_sf=(cache.k_block_scales.view(torch.float8_e4m3fn),
-                                       cache.v_block_scales.view(torch.float8_e4m3fn)))
-            else:
-                dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
-                shape = (cache.num_pages, ps, hkv, d) if args.layout == "NHD" else (cache.num_pages, hkv, ps, d)
-                kc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
-                vc = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt)
-                bpe = 2.0 if kv == "bf16" else 1.0
-                if kv == "fp8":
-                    kw = dict(k_scale=0.02, v_scale=0.03)
+            kc, vc, dt, kw, bpe = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
             w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout, use_tensor_cores=True)
             w.plan(indptr, table.flatten(), last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dt)
             out = torch.empty_like(q)
             t = time_graph(lambda: w.run(q, (kc, vc), out=out, **kw), args.iters)
-            rows.append(dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
-                             tbps=elems * bpe / (t * 1e-6) / 1e12))
+            row = dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
+                       tbps=elems * bpe / (t * 1e-6) / 1e12)
+            if kv == "nvfp4":
+                seq = torch.full((B,), L, dtype=torch.int32, device=device)
+                qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+                row["rel_err"] = _peer_error(out, q, cache, table, seq, qsl, kg, vg, 1 / math.sqrt(d), min(B, 2), 1)
+            rows.append(row)
             del kc, vc
         except Exception as exc:
             print(f"  flashinfer {kv} B={B} L={L} ps={ps}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     return rows
+
+
+def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dict]:
+    """An extend of ``new`` tokens per request over ``ctx`` cached ones (causal), this project's
+    path (the op picks the decode kernel or the dense SDPA path) vs FlashInfer's paged prefill."""
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    L = ctx + new
+    npp = math.ceil(L / page_size)
+    pages = B * npp + 1
+    cache = random_nvfp4_cache(pages, page_size, hkv, d, args.layout, device, gen)
+    table = (torch.randperm(pages - 1, device=device, generator=gen)[: B * npp] + 1).to(torch.int32).view(B, npp)
+    seq = torch.full((B,), L, dtype=torch.int32, device=device)
+    q = torch.randn(B * new, hq, d, dtype=torch.bfloat16, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * new
+    kg, vg = torch.tensor(0.02, device=device), torch.tensor(0.03, device=device)
+    scale = 1 / math.sqrt(d)
+    flops = 4 * B * hq * d * (new * ctx + new * (new + 1) / 2)  # QK^T and PV over the causal triangle
+    plan = ops.plan_attention(B, hkv, hq // hkv, new, L, d)
+    wsp = plan.allocate_workspace(device)
+    out = torch.empty_like(q)
+    call = lambda: ops.paged_attention(q, cache, table, seq, qsl, kg, vg, scale, max_query_len=new, out=out,
+                                       plan=plan, workspace=wsp)
+    call()
+    n = min(new, 128)  # the fp64 reference on the last n rows of request 0
+    ref = reference.paged_attention_ref(q[new - n:new], cache, table[:1], seq[:1],
+                                        torch.tensor([0, n], dtype=torch.int32, device=device), kg, vg, scale,
+                                        dtype=torch.float64)
+    err = float((out[new - n:new].double() - ref).norm() / ref.norm())
+    t = time_graph(call, args.iters)
+    path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
+    rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
+                 tflops=flops / (t * 1e-6) / 1e12, rel_err=err)]
+    if fi is not None:
+        qo = torch.arange(B + 1, dtype=torch.int32, device=device) * new
+        indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * npp
+        last = torch.full((B,), L - (npp - 1) * page_size, dtype=torch.int32, device=device)
+        for kv in ("bf16", "nvfp4"):
+            try:
+                kc, vc, dt, kw, _ = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, args.layout)
+                w.plan(qo, indptr, table.flatten(), last, hq, hkv, d, page_size, causal=True,
+                       q_data_type=torch.bfloat16, kv_data_type=dt)
+                fo = torch.empty_like(q)
+                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters)
+                row = dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
+                           tflops=flops / (tf * 1e-6) / 1e12)
+                if kv == "nvfp4":
+                    row["rel_err"] = float((fo[new - n:new].double() - ref).norm() / ref.norm())
+                rows.append(row)
+            except Exception as exc:
+                print(f"  flashinfer prefill {kv} B={B} C={ctx} N={new}: {type(exc).__name__}: {str(exc)[:200]}",
+                      file=sys.stderr)
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run_prefill(args, device, gen, fi, ws) -> int:
+    rows = []
+    page_size = int(args.page_sizes.split(",")[0])
+    for case in args.prefill.split(","):
+        B, ctx, new = (int(x) for x in case.split("x"))
+        got = bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws)
+        rows += got
+        for r in got:
+            print(f"B={B:3d} C={ctx:6d} N={new:5d} {r['impl']:>14s} {r['kv']:5s} {r['us']:9.1f} us "
+                  f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e} [{r['path']}]" if "rel_err" in r else ""),
+                  flush=True)
+    Path(args.out).write_text(json.dumps(dict(meta=dict(gpu=torch.cuda.get_device_name(device),
+                                                        date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                                                        flashinfer=getattr(fi, "__version__", None),
+                                                        q_heads=args.q_heads, kv_heads=args.kv_heads,
+                                                        head_dim=args.head_dim, layout=args.layout,
+                                                        page_size=page_size),
+                                              prefill=rows), indent=1))
+    return 0
 
 
 def bench_write(device, gen, iters, mode: KVMode = KVMode()) -> dict:
@@ -214,6 +312,8 @@ def run(args) -> int:
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
     fi = None if args.no_peers else _flashinfer()
     ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device) if fi is not None else None
+    if args.prefill:
+        return run_prefill(args, device, gen, fi, ws)
     copy = copy_bandwidth(device)
     meta = dict(gpu=torch.cuda.get_device_name(device), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 flashinfer=getattr(fi, "__version__", None), copy_tbps=copy, q_heads=args.q_heads,
@@ -239,7 +339,8 @@ def run(args) -> int:
 
 def _fmt_rows(rows) -> str:
     return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
-                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e} splits={r['splits']}" if 'rel_err' in r else "")
+                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
+                     + (f" splits={r['splits']}" if 'splits' in r else "")
                      for r in rows)
 
 

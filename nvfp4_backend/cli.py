@@ -1,4 +1,4 @@
-"""``nvfp4-backend``: info | demo | eval | bench | compile-check."""
+"""``nvfp4-backend``: info | demo | eval | bench | fuzz | compile-check."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +76,7 @@ _EXTERNAL = {
     "demo": ("nvfp4_backend.demo", "Generate with BF16 and NVFP4 KV on the default model, side by side"),
     "eval": ("nvfp4_backend.evaluation", "Perplexity / KL / agreement of BF16, FP8, NVFP4 KV on a real model"),
     "bench": ("nvfp4_backend.bench", "Decode kernel benchmark vs FlashInfer peers (GPU)"),
+    "fuzz": ("nvfp4_backend.fuzz", "Randomized differential test of the ops against the fp64 reference"),
 }
 
 

@@ -243,15 +243,18 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
     rotated = cache.mode.rotation == "hadamard"
-    # with a rotated cache: q H in, and the output (P V H) rotated back; rows that belong to no
-    # request come out as 0 here
+    # with a rotated cache: q H in, and the output (P V H) rotated back
     target = torch.zeros_like(q) if rotated else out
     torch.ops.nvfp4_backend.paged_attention(
         target, _rotate(q) if rotated else q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
         plan.num_splits, workspace)
     if rotated:
-        out.copy_(_rotate(target))
+        # rows that belong to no request stay untouched, as without rotation (a mask, not a host
+        # read of query_start_loc, so this captures in CUDA graphs)
+        rows = torch.arange(q.shape[0], device=dev)
+        live = (rows >= query_start_loc[0]) & (rows < query_start_loc[-1])
+        out.copy_(torch.where(live[:, None, None], _rotate(target), out))
     return out
 
 
@@ -273,6 +276,9 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
     if any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[0] < 0 or qsl[-1] > q.shape[0]:
         raise ValueError(f"query_start_loc must rise from >= 0 to <= {q.shape[0]} query tokens, got {qsl}")
     lens = seq_lens.tolist()
+    for b, (s, a, e) in enumerate(zip(lens, qsl, qsl[1:])):
+        if e - a > s:  # the queries are the last q_len of the request's seq_len positions
+            raise ValueError(f"seq_lens[{b}] = {s} is shorter than the request's {e - a} query tokens")
     capacity = block_table.shape[1] * cache.page_size
     if min(lens) < 0 or max(lens) > capacity:
         raise ValueError(f"seq_lens must lie in [0, {capacity}] (block_table width x page_size), got max {max(lens)}")
@@ -310,17 +316,40 @@ EXTEND_CHUNK_TOKENS = 4096
 
 def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale,
                      softmax_scale, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
-    """Long extends (prefill, chunked prefill) on a GPU: per request, dequantize its pages into
-    a dense K/V workspace once, then dense attention over query chunks (the reference math, in fp32,
-    with the score buffer bounded by EXTEND_CHUNK_TOKENS rows).  Prefill is compute-bound, so
-    reading the NVFP4 pages once per request and layer is not the cost that matters here.
+    """Long extends (prefill, chunked prefill) on a GPU: per request, dequantize its pages into a
+    dense K/V workspace once, then dense attention.  Prefill is compute-bound, so reading the NVFP4
+    pages once per request and layer is not the cost that matters here.
+
+    Plain causal attention goes to torch's SDPA (FlashAttention on GPUs) with K/V in fp16 (bf16
+    for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
+    there, so the workspace is lossless, and the scales fold into the softmax scale (K) and the
+    output (V).  A window,
+    soft-cap or sinks take the reference math in fp32, its score buffer bounded by
+    EXTEND_CHUNK_TOKENS query rows.
     """
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    plain = not sliding_window and not logits_soft_cap and sinks is None
+    if plain:
+        from torch.nn.attention.bias import causal_lower_right
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        scale = float(softmax_scale) * float(k_global_scale)
+        # fp16 holds the workspace exactly too (|e2m1 x e4m3| <= 2688) and rounds P and the output
+        # 8x finer than bf16, so bf16 queries run in fp16 unless they exceed its range
+        work = torch.float16 if q.dtype == torch.float16 or float(q.abs().amax()) < 6e4 else q.dtype
     for b, seq_len in enumerate(lens):
         q_begin, q_end = qsl[b], qsl[b + 1]
         if q_end <= q_begin:
+            continue
+        if plain:
+            k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], one, one, work)
+            # [1, heads, tokens, D]; q head h reads kv head h // group (enable_gqa: no copies per group)
+            kh, vh = (x[0].transpose(0, 1)[None] for x in (k, v))
+            qh = q[q_begin:q_end].to(work).transpose(0, 1)[None]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale, enable_gqa=True)
+            out[q_begin:q_end] = o[0].transpose(0, 1).float() * v_global_scale
             continue
         k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], k_global_scale,
                                        v_global_scale)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|sanitize|all] [extra pytest args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|sanitize|all] [extra args]
 set -o pipefail
 mode=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/
+# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/ (and tqdm)
 if ls .whl-fi/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -33,9 +33,38 @@ case $mode in
            --plot "$OUT/bench_modes.png" 2>&1 | tee "$OUT/bench_modes.log" | tail -20 ;;
 esac
 case $mode in
+  fuzz)  # issue 8: FUZZ_CONFIGS configurations from FUZZ_SEED (500 fit one call; run two seeds ranges for 1000)
+    python3 -m nvfp4_backend.cli fuzz --configs ${FUZZ_CONFIGS:-500} --seed ${FUZZ_SEED:-0} --out "$OUT/fuzz.json" 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s" | tee "$OUT/fuzz.log" | tail -6 ;;
+  hardening)  # issue 8: long contexts, bad values, streams, fixed fuzz seeds, long-context bandwidth
+    python3 -m pytest -q tests/test_kernels_gpu.py -k "long_contexts or bad_values or stream or fuzz_fixed or determinism" \
+      2>&1 | tee "$OUT/gpu_hardening_tests.log" | tail -4
+    python3 -m nvfp4_backend.cli bench --no-peers --grid 1x262144,8x131072,4x262144 --page-sizes 16 --spec-q-len 0 \
+      --out "$OUT/bench_long.json" --plot "$OUT/bench_long.png" 2>&1 | tee "$OUT/bench_long.log" | tail -6 ;;
+esac
+case $mode in
+  engines)  # issue 4 / 6: the plugins' call patterns on the GPU, prefill vs FlashInfer
+    python3 plugins/vllm/scripts/gpu_check.py 2>&1 | tee "$OUT/vllm_gpu_check.log" | tail -6
+    python3 -m nvfp4_backend.cli bench --prefill ${PREFILL_GRID:-1x0x4096,1x12288x4096,8x2048x512,4x0x16384} \
+      --page-sizes 16 --iters 20 --out "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" | tail -12 ;;
+esac
+case $mode in
+  demo)  # issue 6: the README's main job on the GPU (model halves from scripts/split_default_model.sh)
+    cat .model-a/part .model-b/part > /tmp/smollm2.gguf
+    echo "$(cat .model-b/sha256)  /tmp/smollm2.gguf" | sha256sum -c - || exit 1
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .model-b/gguf-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    python3 -m nvfp4_backend.cli demo --device cuda --model /tmp/smollm2.gguf --no-progress --out "$OUT/demo_gpu.json" \
+      2>&1 | tee "$OUT/demo_gpu.log" | tail -40 ;;
+esac
+case $mode in
   sanitize)
-    for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "$@" 2>&1 \
+    # SANITIZE_TOOLS (default all three); the argument: a pytest -k expression. The default covers
+    # every kernel path (writer, decode single/split/merge, spec rows, each head dim, window, sinks,
+    # soft-cap, bad values); the whole suite is far past one call under racecheck.
+    sel=${1:-"(test_write_kv_bit_exact and dtype0 and -HND) or (test_decode_matrix and (-16-4-1 or -16-8-4 or -1-1-1)) or (test_decode_features and dtype0-NHD and (True or 37)) or test_long_context_split or bad_values"}
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+      compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "$sel" 2>&1 \
         | tee "$OUT/sanitizer_$tool.log" | tail -8
     done ;;
 esac

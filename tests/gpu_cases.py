@@ -61,3 +61,52 @@ def make_batch(seq_lens: list[int], q_lens: list[int], num_q_heads: int, head_di
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+@dataclass
+class BadValuesCase:
+    """A decode batch whose cache and queries hold the values the format defines behaviour for."""
+    q: torch.Tensor
+    cache: PagedKVCache
+    batch: Batch
+    kg: torch.Tensor
+    vg: torch.Tensor
+    expect_nan: torch.Tensor  # [tokens, q_heads, D] bool: where the output must be NaN
+    zero_rows: list[int]       # query rows of the request whose cache is all-zero blocks
+
+
+def bad_values_case(device, gen: torch.Generator) -> BadValuesCase:
+    """Four decode requests (q_len 1, GQA 4, 2 kv heads, D 128, page 16), each position visible:
+      0: a NaN K block (E4M3 NaN scale) at position 5, kv head 0: kv head 0's rows all NaN;
+      1: a NaN V block at position 3, kv head 1, block 2: kv head 1's rows NaN in dims 32..47;
+      2: a NaN in the query of head 6: that (row, head) NaN, all else finite;
+      3: every block of its cache all-zero (scale 0): its rows are exactly 0;
+    plus NaN scales in every slot no request owns (stale bytes must not leak)."""
+    hkv, group, d, ps = 2, 4, 128, 16
+    seq_lens = [40, 33, 17, 20]
+    cache = make_cache("NHD", 12, ps, hkv, d, device)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, [1] * 4, hkv * group, d, ps, 12, torch.bfloat16, gen, device)
+    table = batch.block_table.cpu()
+    owned = torch.zeros(12, ps, dtype=torch.bool)
+    for b, s in enumerate(seq_lens):
+        for p in range(s):
+            owned[table[b, p // ps], p % ps] = True
+    for t in (cache.k_block_scales, cache.v_block_scales):
+        t[~owned.to(device)] = fmt.E4M3_NAN_BYTE
+
+    def at(b, pos):
+        return int(table[b, pos // ps]), pos % ps
+
+    cache.k_block_scales[at(0, 5) + (0, 3)] = fmt.E4M3_NAN_BYTE
+    cache.v_block_scales[at(1, 3) + (1, 2)] = fmt.E4M3_NAN_BYTE
+    batch.q[2, 6, 10] = float("nan")
+    for p in range(seq_lens[3]):
+        for t in (cache.k_block_scales, cache.v_block_scales):
+            t[at(3, p)] = 0
+    expect = torch.zeros(4, hkv * group, d, dtype=torch.bool)
+    expect[0, :group] = True
+    expect[1, group:, 32:48] = True
+    expect[2, 6] = True
+    return BadValuesCase(batch.q, cache, batch, torch.tensor(0.5, device=device), torch.tensor(0.25, device=device),
+                         expect, [3])

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from nvfp4_backend import format as fmt, jit, ops, reference
+from nvfp4_backend import format as fmt, fuzz, jit, ops, reference
 from nvfp4_backend.layout import KVMode, PagedKVCache
-from gpu_cases import LAYOUTS, fill_random, make_batch, make_cache, rel_l2
+from gpu_cases import LAYOUTS, bad_values_case, fill_random, make_batch, make_cache, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -231,3 +231,100 @@ def test_flashinfer_cross_check(gen):
     err_ours, err_theirs = rel_l2(ours, ref), rel_l2(theirs, ref)
     print(f"rel L2 vs fp64 reference: nvfp4-backend {err_ours:.2e}, FlashInfer fa2 {err_theirs:.2e}")
     assert err_ours <= max(err_theirs * 1.5, TOL)
+
+
+# ----------------------------------------------------------------------------------- hardening
+@pytest.mark.parametrize("seed", range(48))
+def test_fuzz_fixed_seeds(seed):
+    """A fixed-seed subset of ``nvfp4-backend fuzz`` (the 1000-configuration runs are in results/)."""
+    rec = fuzz.run_config(fuzz.generate(seed, max_context=32768), torch.device(DEV))
+    assert rec["ok"], f"{rec['summary']}: {rec['failure']} (replay: nvfp4-backend fuzz --replay {seed} --max-context 32768)"
+
+
+def test_bad_values_give_the_reference_nan_pattern(gen):
+    """NaN K / V blocks, a NaN query, all-zero blocks and NaN stale bytes: the kernel's output has
+    exactly the reference's NaN pattern (README, Reliability) and matches it elsewhere."""
+    case = bad_values_case(DEV, gen)
+    b = case.batch
+    out = torch.full_like(case.q, 7.0)
+    ops.paged_attention(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg, case.vg, 0.1,
+                        out=out)
+    assert torch.equal(torch.isnan(out).cpu(), case.expect_nan)
+    assert torch.equal(out[case.zero_rows], torch.zeros_like(out[case.zero_rows]))
+    ref = reference.paged_attention_ref(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg,
+                                        case.vg, 0.1, dtype=torch.float64)
+    finite = ~case.expect_nan.to(DEV)
+    assert rel_l2(out[finite].float(), ref[finite]) < TOL
+
+
+def _devices():
+    return [pytest.param(i, marks=pytest.mark.skipif(torch.cuda.device_count() <= i, reason=f"needs {i + 1} GPUs"))
+            for i in (0, 1)]
+
+
+@pytest.mark.parametrize("index", _devices())
+def test_runs_on_the_tensors_device_and_current_stream(index, gen):
+    """Inputs on GPU ``index`` while the current device is GPU 0, on a side stream of GPU
+    ``index`` whose queue is busy (a sleep) before the query is written: the ops must run on that
+    stream (else they read the old query or race the writer), and a CUDA graph captured there
+    must replay correctly."""
+    dev = torch.device("cuda", index)
+    torch.cuda.set_device(0)
+    seq_lens, hkv, group, d, ps = [300, 1200, 77], 2, 4, 128, 16
+    cache = make_cache("HND", 200, ps, hkv, d, dev)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, [1, 1, 1], hkv * group, d, ps, 200, torch.bfloat16, gen, dev)
+    kg, vg = (torch.tensor(x, device=dev) for x in (0.5, 0.25))
+    new_q = torch.randn(batch.q.shape, generator=gen).to(torch.bfloat16).to(dev)
+    key = torch.randn(3, hkv, d, generator=gen).to(torch.bfloat16).to(dev)
+    slots = torch.tensor([int(batch.block_table[b, (s - 1) // ps]) * ps + (s - 1) % ps
+                          for b, s in enumerate(seq_lens)], device=dev)
+    plan = ops.plan_attention(3, hkv, group, 1, 1200, d)
+    ws = plan.allocate_workspace(dev)
+    out = torch.full_like(batch.q, float("nan"))
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))  # the inputs above were made on the default stream
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of queued work ahead of the writes below
+        batch.q.copy_(new_q)
+        ops.write_kv(key, key, slots, cache, kg, vg)
+        ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.1,
+                            max_query_len=1, out=out, plan=plan, workspace=ws)
+    stream.synchronize()
+    ref = reference.paged_attention_ref(new_q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg,
+                                        vg, 0.1, dtype=torch.float64)
+    assert rel_l2(out.float(), ref) < TOL
+    with torch.cuda.device(dev), torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
+                                0.1, max_query_len=1, out=out, plan=plan, workspace=ws)
+        out.fill_(float("nan"))
+        batch.q.copy_(torch.randn(batch.q.shape, generator=gen).to(torch.bfloat16).to(dev))
+        graph.replay()
+    stream.synchronize()
+    ref = reference.paged_attention_ref(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg,
+                                        vg, 0.1, dtype=torch.float64)
+    assert rel_l2(out.float(), ref) < TOL
+
+
+@pytest.mark.parametrize("batch_size,seq_len", [(1, 262144), (8, 131072)], ids=["1x256K", "8x128K(1M)"])
+def test_long_contexts(batch_size, seq_len, gen):
+    """262144 tokens in one request and 1M across a batch, 8 kv heads (split-KV at its longest);
+    checked against the fp64 reference on two sampled kv heads (8 query heads)."""
+    hkv, group, d, ps = 8, 4, 128, 16
+    pages = batch_size * seq_len // ps + 1
+    cache = make_cache("HND", pages, ps, hkv, d, DEV)
+    fill_random(cache, gen)
+    batch = make_batch([seq_len] * batch_size, [1] * batch_size, hkv * group, d, ps, pages, torch.bfloat16, gen, DEV)
+    kg, vg = _scales(gen)
+    out = torch.full_like(batch.q, float("nan"))
+    ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.088,
+                        max_query_len=1, out=out)
+    assert torch.isfinite(out).all()
+    for h in sorted(torch.randperm(hkv, generator=gen)[:2].tolist()):
+        sub = PagedKVCache(*(t[:, :, h:h + 1] for t in cache.tensors()))
+        rows = slice(h * group, (h + 1) * group)
+        ref = reference.paged_attention_ref(batch.q[:, rows], sub, batch.block_table, batch.seq_lens,
+                                            batch.query_start_loc, kg, vg, 0.088, dtype=torch.float64)
+        assert rel_l2(out[:, rows].float(), ref) < TOL, f"kv head {h}"

@@ -142,3 +142,16 @@ def test_constructors_carry_the_mode():
     assert PagedKVCache.from_inline_pages(pages, 16, 2, 64, head_major=True, mode=mode).mode == mode
     rows = [torch.zeros(32, 2, n, dtype=torch.uint8) for n in (32, 4, 32, 4)]
     assert PagedKVCache.from_token_rows(*rows, page_size=16, mode=mode).mode == mode
+
+
+def test_rotated_mode_leaves_rows_past_the_batch_untouched(g):
+    """As without rotation: query rows past query_start_loc[-1] (graph padding) are not written."""
+    d, hkv, ps = 64, 1, 16
+    cache = PagedKVCache.allocate(4, ps, hkv, d, mode=KVMode(rotation="hadamard"))
+    key = torch.randn(20, hkv, d, generator=g).bfloat16()
+    ops.write_kv(key, key, torch.arange(16, 36), cache, 1.0, 1.0)
+    q = torch.randn(3, 2, d, generator=g).bfloat16()  # 1 real row, 2 padding rows
+    out = torch.full_like(q, float("nan"))
+    ops.paged_attention(q, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                        torch.tensor([0, 1], dtype=torch.int32), 1.0, 1.0, 0.125, out=out)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1:]).all()

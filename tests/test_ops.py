@@ -105,6 +105,41 @@ def test_extend_attention_matches_reference(chunk, make_batch, gen, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_extend_attention_sdpa_path_matches_reference(dtype, make_batch, gen):
+    """Plain causal extends go through SDPA on a lossless q-dtype workspace (global scales folded
+    into the softmax scale and the output): the reference up to q-dtype rounding."""
+    step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
+                      q_dtype=dtype, k_global_scale=0.37, v_global_scale=3.1)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
+    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(step.k_global_scale),
+            torch.tensor(step.v_global_scale), step.softmax_scale)
+    got = ops.extend_attention(*args)
+    want = reference.paged_attention_ref(*args, dtype=torch.float64)
+    assert float((got.double() - want).norm() / want.norm()) < 4e-3
+    # the workspace itself is exact: dequantized without the global scale, in fp16 or bf16
+    k64, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
+                                     torch.tensor(1.0), torch.float64)
+    for work in (torch.float16, torch.bfloat16):
+        k, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
+                                       torch.tensor(1.0), work)
+        assert torch.equal(k.double(), k64)
+
+
+def test_extend_attention_bf16_queries_past_fp16_range(make_batch):
+    step = make_batch((30,), (30,), page_size=16, num_kv_heads=1, group_size=2, head_dim=64,
+                      q_dtype=torch.bfloat16)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 1, 64)
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, 1.0, 1.0)
+    q = step.q * 1e5  # past fp16's range: the bf16 workspace serves it
+    args = (q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(1.0), torch.tensor(1.0),
+            1e-6)
+    got = ops.extend_attention(*args)
+    want = reference.paged_attention_ref(*args, dtype=torch.float64)
+    assert torch.isfinite(got).all() and float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim", [
     (64, 8, 4, 1, 4096, 128), (1, 1, 8, 2, 4096, 128), (3, 2, 16, 4, 300, 64), (1, 1, 1, 1, 100, 256),
     (2, 4, 4, 8, 70000, 256)])
@@ -253,6 +288,7 @@ ATTN_BAD = {
     "block_table_page_out_of_range": pytest.param(
         lambda a: a["block_table"].__setitem__((0, 0), a["cache"].num_pages), ValueError, "block_table",
         marks=_OUT_OF_RANGE_READS),
+    "seq_len_shorter_than_queries": (lambda a: a["seq_lens"].__setitem__(0, 0), ValueError, r"seq_lens\[0\] = 0"),
     "qsl_past_q_tokens": pytest.param(
         lambda a: a["query_start_loc"].__setitem__(-1, a["q"].shape[0] + 2), ValueError, "query_start_loc",
         marks=_OUT_OF_RANGE_READS),
