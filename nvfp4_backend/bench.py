@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,13 +42,15 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default="bench.png")
 
 
-def time_graph(fn, iters: int = 50) -> float:
-    """Median microseconds of one CUDA-graph replay of fn (falls back to eager if capture fails)."""
+def time_graph(fn, iters: int = 50, capture: bool = True) -> float:
+    """Median microseconds of one CUDA-graph replay of fn (eager when capture is off or fails)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     run = fn
     try:
+        if not capture:
+            raise NotImplementedError("capture off")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -58,7 +61,8 @@ def time_graph(fn, iters: int = 50) -> float:
         torch.cuda.current_stream().wait_stream(stream)
         run = graph.replay
     except Exception as exc:  # a peer that cannot be captured is timed eagerly, and said so
-        print(f"  (graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
+        if capture:
+            print(f"  (graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
     for _ in range(3):
         run()
     times = []
@@ -106,52 +110,86 @@ def _flashinfer():
         return None
 
 
-def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
-    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+@dataclass
+class UniformBatch:
+    """B requests of seq_len cached tokens each on pages in random order, with the scales every
+    implementation in one comparison gets."""
+    cache: PagedKVCache
+    table: torch.Tensor
+    seq: torch.Tensor
+    seq_len: int
+    kg: torch.Tensor
+    vg: torch.Tensor
+    scale: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.table.shape[0]
+
+    def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None):
+        """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl)."""
+        cache = cache or self.cache
+        qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
+        plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
+                                  self.seq_len, cache.head_dim)
+        wsp = plan.allocate_workspace(q.device)
+        out = torch.empty_like(q)
+        call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
+                                           max_query_len=q_len, out=out, plan=plan, workspace=wsp)
+        call()
+        return call, out, plan, qsl
+
+    def reference(self, q: torch.Tensor, qsl: torch.Tensor, nreq: int, rotated: bool = False) -> torch.Tensor:
+        """fp64 attention of q (rows of the first nreq requests, starting at qsl) on the cache's
+        bytes; rotated: q rotated in and the output back, as a Hadamard-mode cache is read."""
+        h = fmt.hadamard(q.shape[-1], q.device, torch.float64) if rotated else None
+        rot = (lambda x: x @ h) if rotated else (lambda x: x)
+        return rot(reference.paged_attention_ref(rot(q.double()), self.cache, self.table[:nreq], self.seq[:nreq], qsl,
+                                                 self.kg, self.vg, self.scale, dtype=torch.float64))
+
+    def flashinfer_paging(self):
+        """(indptr, indices, last page lengths) of FlashInfer's paged-KV API."""
+        B, npp = self.table.shape
+        dev = self.table.device
+        return (torch.arange(B + 1, dtype=torch.int32, device=dev) * npp, self.table.flatten(),
+                torch.full((B,), self.seq_len - (npp - 1) * self.cache.page_size, dtype=torch.int32, device=dev))
+
+
+def uniform_batch(B: int, L: int, page_size: int, args, device, gen) -> UniformBatch:
     npp = math.ceil(L / page_size)
     pages = B * npp + 1
-    cache = random_nvfp4_cache(pages, page_size, hkv, d, args.layout, device, gen)
-    table = (torch.randperm(pages - 1, device=device, generator=gen)[: B * npp] + 1).to(torch.int32).view(B, npp).to(device)
-    seq = torch.full((B,), L, dtype=torch.int32, device=device)
-    scale = 1 / math.sqrt(d)
-    kg = torch.tensor(0.02, device=device)
-    vg = torch.tensor(0.03, device=device)
-    elems = B * L * hkv * d * 2
+    cache = random_nvfp4_cache(pages, page_size, args.kv_heads, args.head_dim, args.layout, device, gen)
+    table = (torch.randperm(pages - 1, device=device, generator=gen)[: B * npp] + 1).to(torch.int32).view(B, npp)
+    return UniformBatch(cache, table, torch.full((B,), L, dtype=torch.int32, device=device), L,
+                        torch.tensor(0.02, device=device), torch.tensor(0.03, device=device), 1 / math.sqrt(args.head_dim))
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    batch = uniform_batch(B, L, page_size, args, device, gen)
+    tbps = lambda t: B * L * hkv * d * 2 * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12
+    variants = ([(1, KVMode())] + ([(args.spec_q_len, KVMode())] if args.spec_q_len > 1 else [])
+                + [(1, KVMode.from_name(name)) for name in args.modes.split(",") if name != "plain"])
     rows = []
-
-    def ours(q_len, mode=KVMode()):
-        c = dataclasses.replace(cache, mode=mode)  # same bytes; a rotating mode adds q H and out H
+    for q_len, mode in variants:
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
-        qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * q_len
-        plan = ops.plan_attention(B, hkv, hq // hkv, q_len, L, d)
-        wsp = plan.allocate_workspace(device)
-        out = torch.empty_like(q)
-        call = lambda: ops.paged_attention(q, c, table, seq, qsl, kg, vg, scale, max_query_len=q_len, out=out,
-                                           plan=plan, workspace=wsp)
-        call()
+        # same bytes; a rotating mode adds q H and out H
+        call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode))
         nref = min(B, 2)
-        rot = (lambda x: x @ fmt.hadamard(d, device, torch.float64)) if mode.rotation == "hadamard" else (lambda x: x)
-        ref = rot(reference.paged_attention_ref(rot(q[: nref * q_len].double()), cache, table[:nref], seq[:nref],
-                                                qsl[: nref + 1], kg, vg, scale, dtype=torch.float64))
-        err = float((out[: nref * q_len].double() - ref).norm() / ref.norm())
-        return time_graph(call, args.iters), err, plan.num_splits
-
-    t, err, splits = ours(1)
-    rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=1, us=t,
-                     tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err, splits=splits))
-    if args.spec_q_len > 1:
-        t, err, splits = ours(args.spec_q_len)
-        rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=args.spec_q_len, us=t,
-                         tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err, splits=splits))
-    for name in args.modes.split(","):
-        if name != "plain":
-            t, err, splits = ours(1, KVMode.from_name(name))
-            rows.append(dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=1, us=t, mode=name,
-                             tbps=elems * fmt.bytes_per_token_head(d) / d / (t * 1e-6) / 1e12, rel_err=err,
-                             splits=splits))
+        ref = batch.reference(q[: nref * q_len], qsl[: nref + 1], nref, rotated=mode.rotation == "hadamard")
+        t = time_graph(call, args.iters)
+        row = dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=q_len, us=t, tbps=tbps(t),
+                   rel_err=_rel_err(out[: nref * q_len], ref), splits=plan.num_splits)
+        if mode != KVMode():
+            row["mode"] = mode.name
+        rows.append(row)
     if fi is not None:
-        rows += bench_flashinfer(fi, B, L, page_size, cache, table, kg, vg, args, device, gen, ws)
-    del cache
+        rows += bench_flashinfer(fi, batch, args, device, ws)
+    del batch
     torch.cuda.empty_cache()
     return rows
 
@@ -176,34 +214,25 @@ def flashinfer_kv(kv: str, cache: PagedKVCache, layout: str, kg, vg, device):
     return k, v, dt, (dict(k_scale=0.02, v_scale=0.03) if kv == "fp8" else {}), (2.0 if kv == "bf16" else 1.0)
 
 
-def _peer_error(out, q, cache, table, seq, qsl, kg, vg, scale, nreq: int, q_len: int) -> float:
-    """FlashInfer's NVFP4 output vs the fp64 reference on the same bytes (first nreq requests)."""
-    ref = reference.paged_attention_ref(q[: nreq * q_len], cache, table[:nreq], seq[:nreq], qsl[: nreq + 1], kg, vg,
-                                        scale, dtype=torch.float64)
-    return float((out[: nreq * q_len].double() - ref).norm() / ref.norm())
-
-
-def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) -> list[dict]:
+def bench_flashinfer(fi, batch: UniformBatch, args, device, ws) -> list[dict]:
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    npp = table.shape[1]
-    indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * npp
-    last = torch.full((B,), L - (npp - 1) * ps, dtype=torch.int32, device=device)
+    B, L, ps = batch.batch_size, batch.seq_len, batch.cache.page_size
     q = torch.randn(B, hq, d, dtype=torch.bfloat16, device=device)
     elems = B * L * hkv * d * 2
     rows = []
     for kv in ("bf16", "fp8", "nvfp4"):
         try:
-            kc, vc, dt, kw, bpe = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
+            kc, vc, dt, kw, bpe = flashinfer_kv(kv, batch.cache, args.layout, batch.kg, batch.vg, device)
             w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, args.layout, use_tensor_cores=True)
-            w.plan(indptr, table.flatten(), last, hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dt)
+            w.plan(*batch.flashinfer_paging(), hq, hkv, d, ps, q_data_type=torch.bfloat16, kv_data_type=dt)
             out = torch.empty_like(q)
             t = time_graph(lambda: w.run(q, (kc, vc), out=out, **kw), args.iters)
             row = dict(B=B, L=L, page_size=ps, impl="flashinfer-fa2", kv=kv, q_len=1, us=t,
                        tbps=elems * bpe / (t * 1e-6) / 1e12)
-            if kv == "nvfp4":
-                seq = torch.full((B,), L, dtype=torch.int32, device=device)
-                qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
-                row["rel_err"] = _peer_error(out, q, cache, table, seq, qsl, kg, vg, 1 / math.sqrt(d), min(B, 2), 1)
+            if kv == "nvfp4":  # on our cache's bytes: checked like ours
+                nref = min(B, 2)
+                qsl = torch.arange(nref + 1, dtype=torch.int32, device=device)
+                row["rel_err"] = _rel_err(out[:nref], batch.reference(q[:nref], qsl, nref))
             rows.append(row)
             del kc, vc
         except Exception as exc:
@@ -213,55 +242,39 @@ def bench_flashinfer(fi, B, L, ps, cache, table, kg, vg, args, device, gen, ws) 
 
 def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dict]:
     """An extend of ``new`` tokens per request over ``ctx`` cached ones (causal), this project's
-    path (the op picks the decode kernel or the dense SDPA path) vs FlashInfer's paged prefill."""
+    path (the op picks the decode kernel or the dense SDPA path) vs FlashInfer's paged prefill,
+    both timed eagerly (launch costs included, as an engine's prefill pays them)."""
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
-    L = ctx + new
-    npp = math.ceil(L / page_size)
-    pages = B * npp + 1
-    cache = random_nvfp4_cache(pages, page_size, hkv, d, args.layout, device, gen)
-    table = (torch.randperm(pages - 1, device=device, generator=gen)[: B * npp] + 1).to(torch.int32).view(B, npp)
-    seq = torch.full((B,), L, dtype=torch.int32, device=device)
+    batch = uniform_batch(B, ctx + new, page_size, args, device, gen)
     q = torch.randn(B * new, hq, d, dtype=torch.bfloat16, device=device)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=device) * new
-    kg, vg = torch.tensor(0.02, device=device), torch.tensor(0.03, device=device)
-    scale = 1 / math.sqrt(d)
     flops = 4 * B * hq * d * (new * ctx + new * (new + 1) / 2)  # QK^T and PV over the causal triangle
-    plan = ops.plan_attention(B, hkv, hq // hkv, new, L, d)
-    wsp = plan.allocate_workspace(device)
-    out = torch.empty_like(q)
-    call = lambda: ops.paged_attention(q, cache, table, seq, qsl, kg, vg, scale, max_query_len=new, out=out,
-                                       plan=plan, workspace=wsp)
-    call()
+    call, out, plan, qsl = batch.attention(q, new)
     n = min(new, 128)  # the fp64 reference on the last n rows of request 0
-    ref = reference.paged_attention_ref(q[new - n:new], cache, table[:1], seq[:1],
-                                        torch.tensor([0, n], dtype=torch.int32, device=device), kg, vg, scale,
-                                        dtype=torch.float64)
-    err = float((out[new - n:new].double() - ref).norm() / ref.norm())
-    t = time_graph(call, args.iters)
+    ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1)
+    # eager for every implementation: the dense path reads lengths on the host and cannot be
+    # captured, so graph replays of the peer would not compare like with like
+    t = time_graph(call, args.iters, capture=False)
     path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
     rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
-                 tflops=flops / (t * 1e-6) / 1e12, rel_err=err)]
+                 tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
     if fi is not None:
-        qo = torch.arange(B + 1, dtype=torch.int32, device=device) * new
-        indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * npp
-        last = torch.full((B,), L - (npp - 1) * page_size, dtype=torch.int32, device=device)
         for kv in ("bf16", "nvfp4"):
             try:
-                kc, vc, dt, kw, _ = flashinfer_kv(kv, cache, args.layout, kg, vg, device)
+                kc, vc, dt, kw, _ = flashinfer_kv(kv, batch.cache, args.layout, batch.kg, batch.vg, device)
                 w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, args.layout)
-                w.plan(qo, indptr, table.flatten(), last, hq, hkv, d, page_size, causal=True,
+                w.plan(qsl, *batch.flashinfer_paging(), hq, hkv, d, page_size, causal=True,
                        q_data_type=torch.bfloat16, kv_data_type=dt)
                 fo = torch.empty_like(q)
-                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters)
+                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters, capture=False)
                 row = dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
                            tflops=flops / (tf * 1e-6) / 1e12)
                 if kv == "nvfp4":
-                    row["rel_err"] = float((fo[new - n:new].double() - ref).norm() / ref.norm())
+                    row["rel_err"] = _rel_err(fo[new - n:new], ref)
                 rows.append(row)
             except Exception as exc:
                 print(f"  flashinfer prefill {kv} B={B} C={ctx} N={new}: {type(exc).__name__}: {str(exc)[:200]}",
                       file=sys.stderr)
-    del cache
+    del batch
     torch.cuda.empty_cache()
     return rows
 

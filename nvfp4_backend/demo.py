@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .evaluation import PROMPTS
+from .evaluation import PROMPTS, check_out_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +41,7 @@ def _validate(args) -> None:
         raise ValueError(f"--eval-window must be in [2, --eval-tokens], got {args.eval_window}")
     if args.device not in (None, "cpu") and not str(args.device).startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if args.out:
-        import os
-        parent = os.path.dirname(os.path.abspath(args.out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out: directory {parent!r} does not exist")
+    check_out_path(args.out)
 
 
 def _gpu_microbench(num_kv_heads: int, group: int, head_dim: int, device) -> list[dict]:

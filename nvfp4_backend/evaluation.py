@@ -442,17 +442,22 @@ def render_table(data: dict, title: str | None = None):
     return table
 
 
+def check_out_path(out: str | None) -> None:
+    """--out must name a file in an existing directory (checked before minutes of work, not after)."""
+    if out:
+        import os
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--out: directory {parent!r} does not exist")
+
+
 def run(args) -> int:
     from rich.console import Console
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
         settings = settings_from_args(args)
         settings.validate()
-        if args.out:
-            import os
-            parent = os.path.dirname(os.path.abspath(args.out))
-            if not os.path.isdir(parent):
-                raise ValueError(f"--out: directory {parent!r} does not exist")
+        check_out_path(args.out)
         result = evaluate(settings)
     except FileNotFoundError as exc:
         print(f"nvfp4-backend eval: error: --model: {exc}", file=sys.stderr)

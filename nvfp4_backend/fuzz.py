@@ -177,13 +177,14 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     seq = torch.tensor(cfg.seq_lens, dtype=torch.int32)
     sinks = torch.randn(hq, generator=gen).to(device) if cfg.sinks else None
     args = (q, cache, table.to(device), seq.to(device), qsl.to(device), kg, vg, cfg.softmax_scale)
+    # the plan the op would make itself, made here so the record says which one ran
+    plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device))
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
-              logits_soft_cap=cfg.logits_soft_cap, sinks=sinks)
+              logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
     out = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=out, **kw)
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
-    plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(max(cfg.q_lens), 1), max(cfg.seq_lens), d)
     rec.update(path="kernel" if device.type == "cuda" and jit.decode_supports(cfg.group, max(cfg.q_lens), d)
                else "dense", splits=plan.num_splits)
     got = out[:rows]
@@ -238,11 +239,11 @@ def run(args) -> int:
     from tqdm import tqdm
     records, t0 = [], time.time()
     for seed in tqdm(range(first, first + args.configs), file=sys.stderr, mininterval=5):
+        cfg = generate(seed, args.max_context)
         try:
-            rec = run_config(generate(seed, args.max_context), device)
+            rec = run_config(cfg, device)
         except Exception as exc:  # a crash is a failure of that seed, reported like the others
-            rec = dict(seed=seed, summary=generate(seed, args.max_context).summary(), ok=False,
-                       failure=f"{type(exc).__name__}: {exc}")
+            rec = dict(seed=seed, summary=cfg.summary(), ok=False, failure=f"{type(exc).__name__}: {exc}")
         records.append(rec)
         if not rec["ok"]:
             tqdm.write(f"FAIL {rec['summary']}: {rec['failure']}", file=sys.stdout)

@@ -155,6 +155,13 @@ SPLIT_BLOCKS_PER_SM = 2
 """Thread blocks per SM the split count aims for (resident ones plus a few waves to even the tail)."""
 
 
+def num_sms(device) -> int:
+    """SMs the split planner fills: the device's count on CUDA; off CUDA (the reference path, where
+    the plan is only bookkeeping) an H100/H200's 132."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
@@ -233,9 +240,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
     if plan is None:
         max_seq_len = int(seq_lens.max()) if batch else 0
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
-                              max_seq_len, cache.head_dim, sms)
+                              max_seq_len, cache.head_dim, num_sms(dev))
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.device != dev:
@@ -323,9 +329,8 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
     Plain causal attention goes to torch's SDPA (FlashAttention on GPUs) with K/V in fp16 (bf16
     for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
     there, so the workspace is lossless, and the scales fold into the softmax scale (K) and the
-    output (V).  A window,
-    soft-cap or sinks take the reference math in fp32, its score buffer bounded by
-    EXTEND_CHUNK_TOKENS query rows.
+    output (V).  A window, soft-cap or sinks take the reference math in fp32, its score buffer
+    bounded by EXTEND_CHUNK_TOKENS query rows.
     """
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()

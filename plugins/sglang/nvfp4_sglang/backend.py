@@ -79,8 +79,7 @@ class NVFP4XQABackend(AttentionBackend):
         # Largest per-rank GQA group: sizes workspaces before any layer is seen (replicated kv
         # heads under TP only shrink it).
         self.group_bound = max(cfg.num_attention_heads // max(cfg.num_key_value_heads, 1), 1)
-        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 132)
+        self.num_sms = ops.num_sms(self.device)
         # This backend writes and reads the pool, so the engine uses the one mode read here.
         self.kv_mode = configured_kv_mode()
         log.info("%s: NVFP4 KV mode %r ($%s)", BACKEND_NAME, self.kv_mode.name, KV_MODE_ENV)

@@ -179,9 +179,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
             raise RuntimeError(f"{BACKEND_NAME}: the CUDA kernels are unavailable on {device} "
                                f"({unavailable_reason(torch.cuda.get_device_capability(device))}); full CUDA "
                                f"graphs need them: fix the build or run with --enforce-eager")
-        # Off CUDA (tests) the plan is only bookkeeping: keep the core's default SM count.
-        self.plan_kwargs = {"num_sms": torch.cuda.get_device_properties(device).multi_processor_count} \
-            if torch.device(device).type == "cuda" else {}
+        self.num_sms = ops.num_sms(device)
         # NOTE: one workspace for every step and every captured graph, sized for the worst plan
         # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
         # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
@@ -206,7 +204,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         if not decode_supports(self.group_size, max_query_len, self.head_size):
             return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
         return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                  self.head_size, **self.plan_kwargs)
+                                  self.head_size, self.num_sms)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:
@@ -254,7 +252,7 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             raise NotImplementedError(f"{BACKEND_NAME} does not support ALiBi (alibi_slopes)")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} supports decoder self-attention only, got attn_type={attn_type}")
-        if kv_cache_dtype not in (KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6):
+        if kv_cache_dtype not in Nvfp4XqaBackend.supported_kv_cache_dtypes:
             raise ValueError(f"{BACKEND_NAME} reads an NVFP4 cache only, got kv_cache_dtype={kv_cache_dtype!r}; "
                              f"pass --kv-cache-dtype {KV_CACHE_DTYPE} (or {KV_CACHE_DTYPE_4OVER6})")
         if head_size not in HEAD_SIZES:

@@ -92,7 +92,7 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     pad = 4
     qsl = torch.cat([torch.arange(batch + 1), torch.full((pad,), batch)]).to(torch.int32)
     plan = ops.plan_attention(batch + pad, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
-                              torch.cuda.get_device_properties(DEV).multi_processor_count)
+                              ops.num_sms(DEV))
     workspace = plan.allocate_workspace(DEV)
     q = torch.randn(batch, NUM_HEADS, HEAD, generator=gen).bfloat16().to(DEV)
     out = torch.empty_like(q)
@@ -135,7 +135,7 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     e_qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
     e_seq = seq_lens[:2].clamp(min=3)
     e_plan = ops.plan_attention(2, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 3, int(e_seq.max()), HEAD,
-                                torch.cuda.get_device_properties(DEV).multi_processor_count)
+                                ops.num_sms(DEV))
     eq = torch.randn(6, NUM_HEADS, HEAD, generator=gen).bfloat16()
     e_out = ops.paged_attention(eq.to(DEV), cache, p_bt.to(DEV), e_seq.to(DEV), e_qsl.to(DEV), k_scale, v_scale,
                                 HEAD ** -0.5, max_query_len=3, plan=e_plan, workspace=e_plan.allocate_workspace(DEV))
