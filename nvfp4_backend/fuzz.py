@@ -223,6 +223,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-context", type=int, default=262144)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--out", default=None, help="write the run (settings, every record) as JSON")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds: start no configuration after this, and report how many ran")
 
 
 def run(args) -> int:
@@ -247,6 +249,10 @@ def run(args) -> int:
         records.append(rec)
         if not rec["ok"]:
             tqdm.write(f"FAIL {rec['summary']}: {rec['failure']}", file=sys.stdout)
+        if args.time_limit is not None and time.time() - t0 > args.time_limit:
+            tqdm.write(f"time limit {args.time_limit:.0f} s reached after {len(records)} configurations",
+                       file=sys.stdout)
+            break
     failures = [r for r in records if not r["ok"]]
     errs = [r["rel_err"] for r in records if "rel_err" in r]
     print(f"{len(records)} configurations, {len(failures)} failures, {time.time() - t0:.0f} s; "
@@ -260,8 +266,8 @@ def run(args) -> int:
     if args.out:
         meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), device=str(device),
                     gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    torch=torch.__version__, first_seed=first, configs=args.configs, max_context=args.max_context,
-                    tolerance=TOLERANCE, command=" ".join(sys.argv))
+                    torch=torch.__version__, first_seed=first, configs=len(records), requested=args.configs,
+                    max_context=args.max_context, tolerance=TOLERANCE, command=" ".join(sys.argv))
         with open(args.out, "w") as fh:
             json.dump(dict(meta=meta, failures=len(failures), records=records), fh, indent=1)
     return 1 if failures else 0

@@ -35,6 +35,15 @@ def test_cli_runs_and_records(tmp_path, capsys):
     assert "8 configurations, 0 failures" in capsys.readouterr().out
 
 
+def test_time_limit_stops_early_and_records_what_ran(tmp_path, capsys):
+    out = tmp_path / "fuzz.json"
+    assert main(["fuzz", "--configs", "50", "--seed", "7", "--max-context", "48", "--device", "cpu",
+                 "--time-limit", "0", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["meta"]["configs"] == len(run["records"]) == 1 and run["meta"]["requested"] == 50
+    assert "time limit 0 s reached after 1 configurations" in capsys.readouterr().out
+
+
 SMALL = dict(max_context=40)
 
 
