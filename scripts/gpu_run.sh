@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|sanitize|all][,mode...] [extra args]
+# COMMIT=<hash> names the commit in gpu.txt (the device copy's git metadata can lag the work tree).
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|all][,mode...] [extra args]
 # Several modes, comma-separated, run in one call in the order given.
 set -o pipefail
 modes=${1:-all}; shift || true
@@ -12,7 +13,7 @@ if ls .whl-fi/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
+echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
 python3 -c "import torch, nvfp4_backend.jit as j; j.load(torch.device('cuda')); print('kernels built')" 2>&1 | tail -5
 echo "build: $(( $(date +%s) - t0 )) s"
@@ -60,6 +61,13 @@ case $mode in
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     python3 -m nvfp4_backend.cli demo --device cuda --model /tmp/smollm2.gguf --no-progress --out "$OUT/demo_gpu.json" \
       2>&1 | tee "$OUT/demo_gpu.log" | tail -40 ;;
+esac
+case $mode in
+  profile)  # Nsight Compute on the decode (64x8192, 128x512) and write kernels
+    ncu --set full -k regex:"paged_decode_kernel|write_kv_kernel|merge_splits" -f -o "$OUT/profile" \
+      python3 scripts/profile_kernels.py 2>&1 | tail -3
+    ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
+    grep -E "paged_decode_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
 esac
 case $mode in
   sanitize)
