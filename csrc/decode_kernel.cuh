@@ -47,7 +47,6 @@ template <> struct TypeTraits<__half> {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  __device__ static uint32_t pack_scales(float lo, float hi) { return pack(lo * kScaleBias, hi * kScaleBias); }
   __device__ static void store(__half* dst, float x) { *dst = __float2half_rn(x); }
 };
 template <> struct TypeTraits<__nv_bfloat16> {
@@ -62,7 +61,6 @@ template <> struct TypeTraits<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  __device__ static uint32_t pack_scales(float lo, float hi) { return pack(lo * kScaleBias, hi * kScaleBias); }
   __device__ static void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
 };
 
@@ -79,6 +77,11 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(kBytes),
                  "r"(src_bytes));
   }
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -153,7 +156,11 @@ struct Config {
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
   static constexpr int kPipelineBytes = kStages * kStageBytes;
   static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
-  static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  // E4M3 byte -> packed {scale, scale} * TypeTraits::kScaleBias: one shared load per block scale
+  // instead of a dozen conversion instructions
+  static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
+  static constexpr int kSmemBytes = kLutOffset + 256 * 4;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
@@ -191,7 +198,15 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int end = min(begin + split_len, seq_len);
   const int num_tiles = end > begin ? (end - begin + kTileTokens - 1) / kTileTokens : 0;
 
+  // scores in log2 units: exp2(s * qk_scale_log2) == exp(s * softmax_scale * k_global * 2^7)
   const float qk_scale = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias;
+  const float qk_scale_log2 = qk_scale * kLog2e;
+  const bool soft_cap = p.logits_soft_cap > 0.f;
+  // every query row sees every position up to first_qpos (the first row's own position)
+  const int first_qpos = seq_len - q_len;
+
+  uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_to_float(i));  // read after the first barrier
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
   uint32_t q_frag[kRowTiles][C::kKSteps][2];
@@ -270,38 +285,44 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
 
+  // this thread's shared-memory offsets within a stage's first 16-token sub-tile; sub-tile k adds
+  // k * kSubData / kSubScale (data_offset is linear in steps of 16 rows)
+  constexpr int kSubData = C::data_offset(16), kSubScale = 16 * C::kScaleBytes;
+  const int ka = tile_token(g), kb = tile_token(g + 8);
+  const int k_off_a = C::data_offset(ka) + c * C::kKChunk, k_off_b = C::data_offset(kb) + c * C::kKChunk;
+  const int ks_off_a = ka * C::kScaleBytes + c * (C::kKChunk / 8), ks_off_b = kb * C::kScaleBytes + c * (C::kKChunk / 8);
+  // V: thread c holds tokens 4c..4c+3 (one padded group of 4 rows), head-dim bytes [g*kVChunk, +kVChunk)
+  const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
+
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
     issue(tile + kStages - 1);
     const uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
-    const uint8_t* k_data = stage;
-    const uint8_t* v_data = stage + C::kDataStage;
-    const uint8_t* k_scales = stage + 2 * C::kDataStage;
-    const uint8_t* v_scales = k_scales + C::kScaleStage;
 
 #pragma unroll
     for (int sub = token_warp; sub < kTileTokens / 16; sub += C::kTokenWarps) {
-      const int tok0 = sub * 16;
-      const int pos0 = begin + tile * kTileTokens + tok0;
+      const int pos0 = begin + tile * kTileTokens + sub * 16;
+      const uint8_t* k_data = stage + sub * kSubData;
+      const uint8_t* v_data = stage + C::kDataStage + sub * kSubData;
+      const uint8_t* k_scales = stage + 2 * C::kDataStage + sub * kSubScale;
+      const uint8_t* v_scales = stage + 2 * C::kDataStage + C::kScaleStage + sub * kSubScale;
       // ---- S^T = K Q^T
       float s_acc[kRowTiles][4];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) s_acc[t][i] = 0.f;
-      const int ka = tok0 + tile_token(g), kb = tok0 + tile_token(g + 8);
       uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
 #pragma unroll
       for (int w = 0; w < C::kKChunk / 4; w += 2) {
-        *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(ka) + c * C::kKChunk + 4 * w);
-        *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + C::data_offset(kb) + c * C::kKChunk + 4 * w);
+        *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_a + 4 * w);
+        *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_b + 4 * w);
       }
 #pragma unroll
       for (int blk = 0; blk < C::kKChunk / 8; ++blk) {  // one E4M3 scale per 8 bytes
-        const int sidx = c * (C::kKChunk / 8) + blk;
-        const uint32_t sa = TT::scale2(e4m3_to_float(k_scales[ka * C::kScaleBytes + sidx]));
-        const uint32_t sb = TT::scale2(e4m3_to_float(k_scales[kb * C::kScaleBytes + sidx]));
+        const uint32_t sa = scale_lut[k_scales[ks_off_a + blk]];
+        const uint32_t sb = scale_lut[k_scales[ks_off_b + blk]];
 #pragma unroll
         for (int w2 = 0; w2 < 2; ++w2) {
           const int w = blk * 2 + w2;
@@ -318,51 +339,75 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
           }
         }
       }
-      // ---- online softmax over this 16-token tile
+      // ---- online softmax over this 16-token tile.  Masks are needed only where the tile crosses
+      // the end of the range or a query row's position, or with a window (the same predicate per
+      // element as before; rows past `rows` may then hold scores, but they are never stored).
+      const bool masked = pos0 + 15 >= end || pos0 + 15 > first_qpos || p.sliding_window > 0;
       uint32_t p_frag[kRowTiles][2];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
         float x[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int pos = pos0 + (i < 2 ? tile_token(g) : tile_token(g + 8));
-          const int qpos = row_pos[t][i & 1];
-          float v = s_acc[t][i] * qk_scale;
-          if (p.logits_soft_cap > 0.f) v = p.logits_soft_cap * tanhf(v / p.logits_soft_cap);
-          bool ok = pos < end && pos <= qpos;
-          if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
-          x[i] = ok ? v * kLog2e : -INFINITY;
+          if (soft_cap) {
+            const float v = s_acc[t][i] * qk_scale;
+            x[i] = p.logits_soft_cap * tanhf(v / p.logits_soft_cap) * kLog2e;
+          } else {
+            x[i] = s_acc[t][i] * qk_scale_log2;
+          }
         }
-        float p_val[4];
+        if (masked) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int pos = pos0 + (i < 2 ? ka : kb);
+            const int qpos = row_pos[t][i & 1];
+            bool ok = pos < end && pos <= qpos;
+            if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
+            if (!ok) x[i] = -INFINITY;
+          }
+        }
+        float m_new[2];
+        bool grow = false;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           float m = fmaxf(x[i], x[i + 2]);
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          const float m_new = fmaxf(row_max[t][i], m);
-          const float base = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha = exp2f(row_max[t][i] - base);
-          row_max[t][i] = m_new;
-          p_val[i] = exp2f(x[i] - base);
-          p_val[i + 2] = exp2f(x[i + 2] - base);
-          row_sum[t][i] = row_sum[t][i] * alpha + p_val[i] + p_val[i + 2];
+          m_new[i] = fmaxf(row_max[t][i], m);
+          grow |= m_new[i] != row_max[t][i];
+        }
+        // rescale only when a row's running maximum grew (else alpha would be exactly 1)
+        if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-          for (int d = 0; d < C::kDTiles; ++d) {
-            o_acc[t][d][i] *= alpha;
-            o_acc[t][d][i + 2] *= alpha;
+          for (int i = 0; i < 2; ++i) {
+            const float alpha = fast_exp2(row_max[t][i] - (m_new[i] == -INFINITY ? 0.f : m_new[i]));
+            row_max[t][i] = m_new[i];
+            row_sum[t][i] *= alpha;
+#pragma unroll
+            for (int d = 0; d < C::kDTiles; ++d) {
+              o_acc[t][d][i] *= alpha;
+              o_acc[t][d][i + 2] *= alpha;
+            }
           }
+        }
+        float p_val[4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float base = row_max[t][i] == -INFINITY ? 0.f : row_max[t][i];
+          p_val[i] = fast_exp2(x[i] - base);
+          p_val[i + 2] = fast_exp2(x[i + 2] - base);
+          row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
         }
         // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
         p_frag[t][0] = transpose8x8(TT::pack(p_val[0], p_val[1]));
         p_frag[t][1] = transpose8x8(TT::pack(p_val[2], p_val[3]));
       }
-      // ---- O^T += V^T P^T; thread c holds tokens 4c..4c+3, head-dim bytes [g*kVChunk, +kVChunk)
-      const int v0 = tok0 + 4 * c;
+      // ---- O^T += V^T P^T
       uint32_t vw[4][C::kVChunk / 4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const uint8_t* src = v_data + C::data_offset(v0 + r) + g * C::kVChunk;
+        const uint8_t* src = v_data + v_off + r * C::kDataBytes;
         if constexpr (C::kVChunk == 4) vw[r][0] = *reinterpret_cast<const uint32_t*>(src);
         if constexpr (C::kVChunk == 8) *reinterpret_cast<uint2*>(vw[r]) = *reinterpret_cast<const uint2*>(src);
         if constexpr (C::kVChunk == 16) *reinterpret_cast<uint4*>(vw[r]) = *reinterpret_cast<const uint4*>(src);
@@ -370,10 +415,11 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int w = 0; w < C::kVChunk / 4; ++w) {
         const int sidx = (g * C::kVChunk + 4 * w) / 8;  // 8 bytes per block scale
-        float sv[4];
+        uint32_t sv[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) sv[r] = e4m3_to_float(v_scales[(v0 + r) * C::kScaleBytes + sidx]);
-        const uint32_t s01 = TT::pack_scales(sv[0], sv[1]), s23 = TT::pack_scales(sv[2], sv[3]);
+        for (int r = 0; r < 4; ++r) sv[r] = scale_lut[v_scales[vs_off + r * C::kScaleBytes + sidx]];
+        // {scale of token 0, of token 1}: the low halves of two {s, s} entries
+        const uint32_t s01 = __byte_perm(sv[0], sv[1], 0x5410), s23 = __byte_perm(sv[2], sv[3], 0x5410);
         // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
         uint32_t p01[8], p23[8];
         unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
