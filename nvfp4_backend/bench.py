@@ -288,7 +288,8 @@ def run_prefill(args, device, gen, fi, ws) -> int:
         rows += got
         for r in got:
             print(f"B={B:3d} C={ctx:6d} N={new:5d} {r['impl']:>14s} {r['kv']:5s} {r['us']:9.1f} us "
-                  f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e} [{r['path']}]" if "rel_err" in r else ""),
+                  f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e}" if "rel_err" in r else "")
+                  + (f" [{r['path']}]" if "path" in r else ""),
                   flush=True)
     Path(args.out).write_text(json.dumps(dict(meta=dict(gpu=torch.cuda.get_device_name(device),
                                                         date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
