@@ -158,7 +158,9 @@ def run(args) -> int:
     # ---- short eval
     eval_data = None
     if args.eval_tokens:
-        settings = EvalSettings(model=args.model, formats=(BASELINE, "fp8", "nvfp4"), tokens=args.eval_tokens,
+        # "nvfp4-6or4": the plugins' default KV mode (layout.DEFAULT_KV_MODE), next to plain NVFP4
+        settings = EvalSettings(model=args.model, formats=(BASELINE, "fp8", "nvfp4", "nvfp4-6or4"),
+                                tokens=args.eval_tokens,
                                 window=args.eval_window, prompts=0, gen_tokens=0, calib_tokens=0, device=device,
                                 progress=not args.no_progress)
         eval_data = evaluate(settings, loaded).data

@@ -63,7 +63,7 @@ class KVMode:
 
 
 KV_MODE_ENV = "NVFP4_BACKEND_KV_MODE"
-DEFAULT_KV_MODE = "plain"
+DEFAULT_KV_MODE = "6or4"
 
 
 def configured_kv_mode() -> KVMode:

@@ -77,7 +77,7 @@ def test_demo_runs_and_writes_json(tmp_path, capsys):
         assert g["bf16"] and g["nvfp4"] and isinstance(g["identical"], bool)
     assert data["kv_bytes_per_token"] == {"bf16": 23040, "fp8": 11520, "nvfp4": 6480}
     assert {r["model"] for r in data["capacity"]} == {"Llama-3.1-8B", "Qwen3-32B", "Llama-3.1-70B"}
-    assert set(data["eval"]["results"]) == {"bf16", "fp8", "nvfp4"}
+    assert set(data["eval"]["results"]) == {"bf16", "fp8", "nvfp4", "nvfp4-6or4"}
     printed = capsys.readouterr().out
     assert "NVFP4 KV" in printed and "6,480" in printed
 

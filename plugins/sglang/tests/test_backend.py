@@ -27,7 +27,8 @@ def test_forward_matches_dense(steps, page_size):
 
 
 def test_pool_rows_hold_what_the_format_writes():
-    """K/V land in SGLang's own buffers at out_cache_loc, with the layer's global scale."""
+    """K/V land in SGLang's own buffers at out_cache_loc, with the layer's global scale and the
+    configured mode's scale rule (the default mode is 6-or-4)."""
     h = Harness(page_size=4)
     fb = h.batch({1: 6, 2: 3})
     h.backend.init_forward_metadata(fb)
@@ -38,7 +39,7 @@ def test_pool_rows_hold_what_the_format_writes():
     kg, vg = h.scales[1]
     for x, g, data, sf in ((k, kg, h.pool.k_buffer[1], h.pool.k_scale_buffer[1]),
                            (v, vg, h.pool.v_buffer[1], h.pool.v_scale_buffer[1])):
-        packed, scales = fmt.quantize(x, g)
+        packed, scales = fmt.quantize(x, g, h.backend.kv_mode.scale_rule)
         assert torch.equal(data[loc], packed)
         assert torch.equal(sf[loc].view(torch.uint8), scales)
     untouched = torch.ones(h.pool.k_buffer[1].shape[0], dtype=torch.bool)
