@@ -171,7 +171,8 @@ def run(args) -> int:
     bench = None
     if torch.device(device).type == "cuda":
         bench = _gpu_microbench(kv_heads, group, head_dim, torch.device(device))
-        bt = Table(title=f"ops.paged_attention decode, NVFP4 cache ({kernel_path(device)})")
+        bt = Table(title=f"ops.paged_attention decode, NVFP4 cache, eager calls (launch-bound at these sizes; "
+                         f"`nvfp4-backend bench` times CUDA graphs) ({kernel_path(device)})")
         for col in ("batch", "context", "time (us)", "cache GB/s"):
             bt.add_column(col, justify="right")
         for r in bench:

@@ -55,7 +55,10 @@ case $mode in
 esac
 case $mode in
   demo)  # issue 6: the README's main job on the GPU (model halves from scripts/split_default_model.sh)
-    cat .model-a/part .model-b/part > /tmp/smollm2.gguf
+    # the first half: carried in this call, or copied to /tmp by the previous call (a call's carried
+    # folders are removed from the repo copy when the next call carries others)
+    half_a=.model-a/part; [ -f "$half_a" ] || half_a=/tmp/model-a-part
+    cat "$half_a" .model-b/part > /tmp/smollm2.gguf
     echo "$(cat .model-b/sha256)  /tmp/smollm2.gguf" | sha256sum -c - || exit 1
     python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .model-b/gguf-*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site

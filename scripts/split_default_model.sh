@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The default model's GGUF (94 MiB) is more than one device call may carry (64 MiB), so it travels
-# in two halves, one call each: files a call carries into a git-ignored folder stay on the warm
-# machine, and `scripts/gpu_run.sh demo` joins them.  Run here, then on the device:
-#   run(carry=[".model-a"], command="true")
+# in two halves, one call each.  A carried folder does not survive the next call that carries
+# another, so the first call copies its half out of the repo; the machine must still be warm
+# (it is released after ~30 s idle), then `scripts/gpu_run.sh demo` joins the halves.  Run here,
+# then on the device, back to back:
+#   run(carry=[".model-a"], command="cp .model-a/part /tmp/model-a-part")
 #   run(carry=[".model-b"], command="bash scripts/gpu_run.sh demo")
 set -euo pipefail
 cd "$(dirname "$0")/.."
