@@ -20,7 +20,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 for mode in ${modes//,/ }; do
 echo "== $mode ($(date -u +%T))"
 case $mode in
-  tests|all|final) python3 -m pytest -q --maxfail=20 tests/test_kernels_gpu.py -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  tests|all|final) python3 -m pytest -q --maxfail=20 tests/test_kernels_gpu.py tests/test_eval.py::test_gpu_kernel_path_agrees_with_reference_path -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
