@@ -46,18 +46,13 @@ def gather_kv_ref(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torc
     return out[0], out[1]
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, softmax_scale: float, sliding_window: int | None = None,
-                  logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Causal attention of ragged queries over padded dense K/V.
-
-    q: [tokens, q_heads, D]; k, v: [batch, max_seq_len, kv_heads, D]; request b owns query rows
-    query_start_loc[b]:query_start_loc[b+1], the LAST q_len of its seq_lens[b] positions
-    (bottom-right aligned causal mask).  sliding_window W lets a query at position p see
-    positions p-W+1..p.  Rows that see no key (and have no sink) output 0.
-    Returns fp32/fp64 [tokens, q_heads, D].
-    """
+def attention_scores_ref(q: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         softmax_scale: float, sliding_window: int | None = None,
+                         logits_soft_cap: float | None = None, dtype: torch.dtype = torch.float32):
+    """The scores ``attention_ref`` takes its softmax of: ``(scores, rows, q_live)`` with scores
+    [batch, kv_heads, group, max_q_len, max_seq_len] (-inf where a query may not look), rows
+    [batch, max_q_len] the query row of each (request, query index) and q_live which of them exist.
+    Same arguments as ``attention_ref``."""
     device = q.device
     num_tokens, num_q_heads, head_dim = q.shape
     batch, max_len, num_kv_heads, _ = k.shape
@@ -65,10 +60,6 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: t
     qsl = query_start_loc.to(device=device, dtype=torch.long)
     q_lens = qsl[1:] - qsl[:-1]
     max_q = int(q_lens.max()) if batch else 0
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
-    if batch == 0 or max_q == 0:
-        return out
-
     qi = torch.arange(max_q, device=device)
     q_live = qi[None, :] < q_lens[:, None]                                  # [B, Q]
     rows = torch.where(q_live, qsl[:-1, None] + qi[None, :], torch.zeros_like(qi)[None, :])
@@ -84,11 +75,32 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: t
     if sliding_window is not None and sliding_window > 0:
         visible &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     visible &= q_live[:, :, None]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    return scores.masked_fill(~visible[:, None, None], float("-inf")), rows, q_live
 
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, softmax_scale: float, sliding_window: int | None = None,
+                  logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention of ragged queries over padded dense K/V.
+
+    q: [tokens, q_heads, D]; k, v: [batch, max_seq_len, kv_heads, D]; request b owns query rows
+    query_start_loc[b]:query_start_loc[b+1], the LAST q_len of its seq_lens[b] positions
+    (bottom-right aligned causal mask).  sliding_window W lets a query at position p see
+    positions p-W+1..p.  Rows that see no key (and have no sink) output 0.
+    Returns fp32/fp64 [tokens, q_heads, D].
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    batch, _, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=q.device)
+    if batch == 0 or int((query_start_loc[1:] - query_start_loc[:-1]).max()) == 0:
+        return out
+    scores, rows, q_live = attention_scores_ref(q, k, seq_lens, query_start_loc, softmax_scale, sliding_window,
+                                                logits_soft_cap, dtype)
     if sinks is not None:
-        sink = sinks.to(device=device, dtype=dtype).view(1, num_kv_heads, group, 1, 1)
-        scores = torch.cat([scores, sink.expand(batch, -1, -1, max_q, 1)], dim=-1)
+        sink = sinks.to(device=q.device, dtype=dtype).view(1, num_kv_heads, group, 1, 1)
+        scores = torch.cat([scores, sink.expand(batch, -1, -1, scores.shape[3], 1)], dim=-1)
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - row_max)

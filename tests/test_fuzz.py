@@ -51,7 +51,10 @@ def _find_seed(pred):
     return next(s for s in range(1000) if pred(fuzz.generate(s, **SMALL)))
 
 
-def test_catches_a_wrong_attention_result(monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("max_context", [40, 4096])
+def test_catches_a_wrong_attention_result(monkeypatch, dtype, max_context):
+    """A 1 % error fails, in fp16 too: the fp16 subnormal-weight allowance cannot absorb it."""
     real = fuzz.ops.paged_attention
 
     def off_by_one_percent(*args, out, **kw):
@@ -59,9 +62,34 @@ def test_catches_a_wrong_attention_result(monkeypatch):
         out.mul_(1.01)
         return out
 
+    draw = lambda s: fuzz.generate(s, max_context, max_elements=1 << 20)  # noqa: E731
+    # no window: a window of 1 can leave a query only its own token, whose V may round to all zeros
+    cfg = next(c for c in map(draw, range(1000)) if c.dtype == dtype and c.sliding_window is None
+               and max(c.seq_lens) > max_context // 4)
+    assert fuzz.run_config(cfg, CPU)["ok"]
     monkeypatch.setattr(fuzz.ops, "paged_attention", off_by_one_percent)
-    rec = fuzz.run_config(fuzz.generate(3, **SMALL), CPU)
+    rec = fuzz.run_config(cfg, CPU)
     assert not rec["ok"] and "relative L2 error" in rec["failure"]
+
+
+def test_fp16_weight_allowance_covers_a_flushed_weight():
+    """Seed 22 (the H200 failure): all weight on a zero-V token, a context weight of 2^-32.7; the
+    kernel's fp16 P flushes it, so its output is 0 where the exact one is ~1e-8."""
+    real = fuzz.ops.paged_attention
+
+    def fp16_weights_flushed(q, cache, table, seq, qsl, kg, vg, scale, *, out, **kw):
+        real(q, cache, table, seq, qsl, kg, vg, scale, out=out, **kw)
+        out[1].zero_()  # request 1: exactly what the kernel returned on the H200
+        return out
+
+    cfg = fuzz.generate(22, 262144)
+    assert cfg.dtype == "float16" and cfg.seq_lens[1] == 2 and cfg.q_lens[1] == 1
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(fuzz.ops, "paged_attention", fp16_weights_flushed)
+    try:
+        assert fuzz.run_config(cfg, CPU)["ok"]
+    finally:
+        monkeypatch.undo()
 
 
 def test_catches_writes_past_the_batch(monkeypatch):
