@@ -29,6 +29,10 @@ struct WriteKVParams {
   int64_t num_slots;
   QueryType dtype;
   ScaleRule scale_rule;
+  // KV mode "hadamard": quantize x H (format.hadamard_transform: fp32 butterflies, then one multiply
+  // by hadamard_scale = float32(1/sqrt(head_dim)), rounded to the input dtype) instead of x
+  bool hadamard;
+  float hadamard_scale;
 };
 
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).

@@ -22,7 +22,7 @@ _lib = torch.library.Library("nvfp4_backend", "DEF")
 _lib.define(
     "write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
     "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
-    "str scale_rule=\"6\") -> ()")
+    "str scale_rule=\"6\", str rotation=\"none\") -> ()")
 _lib.define(
     "paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
@@ -94,9 +94,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {cache.num_slots} slots")
     kg = _check_global_scale("k_global_scale", k_global_scale, dev)
     vg = _check_global_scale("v_global_scale", v_global_scale, dev)
-    if cache.mode.rotation == "hadamard":
-        key, value = _rotate(key), _rotate(value)
-    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule)
+    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule,
+                                     cache.mode.rotation)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +110,7 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale, scale_rule="6") -> None:
+                   k_global_scale, v_global_scale, scale_rule="6", rotation="none") -> None:
     from . import jit
     # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
     if (key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS
@@ -122,8 +121,11 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
             key = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
             value = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
         jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
-                                      v_block_scales, k_global_scale, v_global_scale, scale_rule)
+                                      v_block_scales, k_global_scale, v_global_scale, scale_rule, rotation)
         return
+    if rotation == "hadamard":  # the writer's rotation, fmt.hadamard_transform, rounded to the input dtype
+        key = fmt.hadamard_transform(key).to(key.dtype)
+        value = fmt.hadamard_transform(value).to(value.dtype)
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
     reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale, scale_rule)
 
@@ -134,7 +136,7 @@ _lib.impl("write_kv", _write_kv_impl, "CUDA")
 
 @torch.library.register_fake("nvfp4_backend::write_kv")
 def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale, scale_rule="6") -> None:
+                   k_global_scale, v_global_scale, scale_rule="6", rotation="none") -> None:
     return None
 
 

@@ -40,7 +40,10 @@ def _scales(gen, n=2):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale_rule", fmt.SCALE_RULES)
-def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, gen):
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, rotation, gen):
+    """The CUDA writer == the CPU reference, bit for bit; with rotation the kernel's in-register
+    Walsh-Hadamard transform == fmt.hadamard_transform (through the op's CPU implementation)."""
     assert jit.kernels_available(torch.device(DEV))
     page_size, heads, pages, tokens = 16, 4, 40, 300
     x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
@@ -58,10 +61,11 @@ def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, gen):
         fill_random(c, gen)
     for a, b in zip(out_kernel.tensors(), out_ref.tensors()):
         b.copy_(a)
-    torch.ops.nvfp4_backend.write_kv(key, value, slots, *out_kernel.tensors(), kg, vg, scale_rule)
+    torch.ops.nvfp4_backend.write_kv(key, value, slots, *out_kernel.tensors(), kg, vg, scale_rule, rotation)
     ref_cpu = _to_cpu(out_ref)  # the reference on the CPU: kernel == CPU reference, bit for bit
-    reference.write_kv_ref(key.cpu(), value.cpu(), slots.cpu(), ref_cpu, kg.cpu(), vg.cpu(), scale_rule)
-    if scale_rule == "6or4":  # the rule must have chosen the maximum-of-4 scale somewhere
+    torch.ops.nvfp4_backend.write_kv(key.cpu(), value.cpu(), slots.cpu(), *ref_cpu.tensors(), kg.cpu(), vg.cpu(),
+                                     scale_rule, rotation)
+    if scale_rule == "6or4" and rotation == "none":  # the rule must have chosen the maximum-of-4 scale somewhere
         six = _to_cpu(out_ref)
         reference.write_kv_ref(key.cpu(), value.cpu(), slots.cpu(), six, kg.cpu(), vg.cpu(), "6")
         assert not torch.equal(six.k_block_scales, ref_cpu.k_block_scales)
