@@ -96,7 +96,8 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
                      const Tensor& v_sf, const Tensor& block_table, const Tensor& seq_lens,
                      const Tensor& query_start_loc, const Tensor& k_global, const Tensor& v_global,
                      double softmax_scale, int64_t sliding_window, double logits_soft_cap,
-                     const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace) {
+                     const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace,
+                     c10::string_view rotation) {
   const c10::cuda::CUDAGuard guard(q.device());
   check_cache(k_data, k_sf, v_data, v_sf, q.device());
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
@@ -141,6 +142,9 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.softmax_scale = softmax_scale;
   p.logits_soft_cap = logits_soft_cap;
   p.sliding_window = sliding_window;
+  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
+  p.hadamard = rotation == "hadamard";
+  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   p.batch = batch;
   p.num_kv_heads = num_kv_heads;
   p.group_size = group;
@@ -163,7 +167,8 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
-        "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace) -> ()");
+        "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
+        "str rotation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {

@@ -55,6 +55,10 @@ struct DecodeParams {
   int batch, num_kv_heads, group_size, head_dim, page_size_log2, num_splits;
   int max_rows;                                         // max_query_len * group_size
   QueryType dtype;
+  // KV mode "hadamard" (the cache holds k H, v H): q is rotated by H and the output rotated back
+  // by H inside the kernel (fp32 butterflies, then one multiply by hadamard_scale = 1/sqrt(D))
+  bool hadamard;
+  float hadamard_scale;
 };
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
