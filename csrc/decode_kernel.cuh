@@ -166,7 +166,6 @@ struct Config {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
-  static_assert(kMaxRows * kHeadDim * 4 <= kBufferBytes, "rotated q rows fit the pipeline buffers");
 };
 
 // Token within a 16-token MMA tile held at MMA row m: rows (2c, 2c+1, 2c+8, 2c+9) are the
@@ -230,7 +229,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_to_float(i));  // read after the first barrier
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
-  // pipeline buffers as fp32; rows past `rows` are zero
+  // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);
+  // rows past `rows` are zero
   float* q_rot = reinterpret_cast<float*>(smem);
   if (p.hadamard) {
     for (int idx = threadIdx.x; idx < C::kMaxRows * kHeadDim; idx += kThreads) {
@@ -240,7 +240,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
                                     (int64_t)(kv_head * p.group_size + row % p.group_size) * p.q_stride_head + d])
                               : 0.f;
     }
-    fwht_rows<kHeadDim>(q_rot, C::kMaxRows);
+    fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
   }
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)

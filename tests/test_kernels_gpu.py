@@ -87,14 +87,17 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_modes_end_to_end(mode, head_dim, dtype, gen):
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows"])
+def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
-    kernel), and attention (the kernel rotates q in and the output back, also through split-KV and
-    speculative rows) equals the fp64 reference on those bytes with exact rotations; rows past the
-    batch stay untouched."""
-    d, hkv, group, ps = head_dim, 2, 4, 16
-    seq_lens, q_lens = [700, 33, 1500], [1, 3 if head_dim < 256 else 2, 1]
+    kernel), and attention (the kernel rotates q in and the output back) equals the fp64 reference
+    on those bytes, given the rotated q rounded as the kernel rounds it, with the output rotated
+    back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
+    block serves (several row warps share the rotated-q buffer); rows past the batch untouched."""
+    d, hkv, ps = head_dim, 2, 16
+    group, q_len = (16, jit.decode_max_rows(d) // 16) if case == "many_rows" else (4, 2)
+    seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, hkv * group, d, ps, 300, dtype, gen, DEV)
@@ -113,14 +116,18 @@ def test_modes_end_to_end(mode, head_dim, dtype, gen):
         assert torch.equal(a.cpu(), b), f"{name} differs from the reference quantization ({mode.name})"
     q = torch.cat([batch.q, torch.randn(2, *batch.q.shape[1:], device=DEV).to(dtype)])  # 2 rows past the batch
     out = torch.full_like(q, float("nan"))
+    sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
     plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)))
-    assert plan.num_splits > 1  # the split path's partial rows are rotated back too
+    if case == "single":
+        plan = ops.AttentionPlan(1, 0)
+    assert (plan.num_splits > 1) == (case != "single")  # partial rows are rotated back too
     ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
-                        max_query_len=max(q_lens), plan=plan)
+                        max_query_len=max(q_lens), plan=plan, sinks=sinks)
     h = fmt.hadamard(d, DEV, torch.float64) if hadamard else torch.eye(d, dtype=torch.float64, device=DEV)
+    q_in = written(batch.q).double()  # what the kernel's MMA sees: x H rounded to the query dtype
     plain = PagedKVCache(*cache.tensors())
-    ref = reference.paged_attention_ref(batch.q.double() @ h, plain, batch.block_table, batch.seq_lens,
-                                        batch.query_start_loc, kg, vg, 0.09, dtype=torch.float64) @ h
+    ref = reference.paged_attention_ref(q_in, plain, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
+                                        0.09, sinks=sinks, dtype=torch.float64) @ h
     rows = batch.q.shape[0]
     assert rel_l2(out[:rows].float(), ref) < TOL
     assert torch.isnan(out[rows:]).all()
