@@ -1,4 +1,6 @@
 // torch.library bindings: tensors -> params structs -> launchers.  Nothing numeric lives here.
+#include <cmath>
+
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -47,7 +49,7 @@ int log2_exact(int64_t x, const char* name) {
 
 void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping, Tensor& k_data, Tensor& k_sf,
               Tensor& v_data, Tensor& v_sf, const Tensor& k_global, const Tensor& v_global,
-              c10::string_view scale_rule) {
+              c10::string_view scale_rule, c10::string_view rotation) {
   const c10::cuda::CUDAGuard guard(key.device());
   check_cache(k_data, k_sf, v_data, v_sf, key.device());
   TORCH_CHECK(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
@@ -80,6 +82,12 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.dtype = query_type(key, "key");
   TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;
+  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
+  p.hadamard = rotation == "hadamard";
+  TORCH_CHECK(!p.hadamard || ((p.head_dim & (p.head_dim - 1)) == 0 && p.head_dim <= 512),
+              "the hadamard rotation needs a power-of-two head_dim <= 512, got ", p.head_dim);
+  // format.hadamard_transform's multiplier: float32(1/sqrt(D)), rounded from double as Python does
+  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
   TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
@@ -88,7 +96,8 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
                      const Tensor& v_sf, const Tensor& block_table, const Tensor& seq_lens,
                      const Tensor& query_start_loc, const Tensor& k_global, const Tensor& v_global,
                      double softmax_scale, int64_t sliding_window, double logits_soft_cap,
-                     const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace) {
+                     const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace,
+                     c10::string_view rotation) {
   const c10::cuda::CUDAGuard guard(q.device());
   check_cache(k_data, k_sf, v_data, v_sf, q.device());
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
@@ -133,6 +142,9 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.softmax_scale = softmax_scale;
   p.logits_soft_cap = logits_soft_cap;
   p.sliding_window = sliding_window;
+  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
+  p.hadamard = rotation == "hadamard";
+  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   p.batch = batch;
   p.num_kv_heads = num_kv_heads;
   p.group_size = group;
@@ -151,11 +163,12 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
 TORCH_LIBRARY(nvfp4_backend_C, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
         "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
-        "str scale_rule) -> ()");
+        "str scale_rule, str rotation) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
-        "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace) -> ()");
+        "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
+        "str rotation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {

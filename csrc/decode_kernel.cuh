@@ -48,6 +48,7 @@ template <> struct TypeTraits<__half> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static void store(__half* dst, float x) { *dst = __float2half_rn(x); }
+  __device__ static float to_float(__half x) { return __half2float(x); }
 };
 template <> struct TypeTraits<__nv_bfloat16> {
   static constexpr int kUnpackShift = 6;            // magnitude bits -> bf16 bits 6..8
@@ -62,6 +63,7 @@ template <> struct TypeTraits<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   __device__ static void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
 // ------------------------------------------------------------------ PTX wrappers
@@ -170,6 +172,24 @@ struct Config {
 // 4 consecutive tokens 4c..4c+3, so the PV operand of thread c reads 4 adjacent rows.
 __device__ __forceinline__ int tile_token(int m) { return 4 * ((m & 7) >> 1) + (m & 1) + ((m >> 3) << 1); }
 
+// Unnormalized Walsh-Hadamard transform of `rows` rows of kHeadDim floats in shared memory, in
+// place (KV mode "hadamard": x H = fwht(x) / sqrt(D)).  Every thread of the block calls it; it
+// starts and ends with a barrier.
+template <int kHeadDim>
+__device__ __forceinline__ void fwht_rows(float* buf, int rows) {
+  __syncthreads();
+  for (int h = 1; h < kHeadDim; h *= 2) {
+    for (int idx = threadIdx.x; idx < rows * (kHeadDim / 2); idx += kThreads) {
+      const int j = idx % (kHeadDim / 2);
+      float* x = buf + (idx / (kHeadDim / 2)) * kHeadDim + (j / h) * 2 * h + j % h;
+      const float a = x[0], b = x[h];
+      x[0] = a + b;
+      x[h] = a - b;
+    }
+    __syncthreads();
+  }
+}
+
 // ------------------------------------------------------------------ the kernel
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads)
@@ -208,6 +228,21 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
   for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_to_float(i));  // read after the first barrier
 
+  // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
+  // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);
+  // rows past `rows` are zero
+  float* q_rot = reinterpret_cast<float*>(smem);
+  if (p.hadamard) {
+    for (int idx = threadIdx.x; idx < C::kMaxRows * kHeadDim; idx += kThreads) {
+      const int row = idx / kHeadDim, d = idx % kHeadDim;
+      q_rot[idx] = row < rows ? TT::to_float(static_cast<const T*>(p.q)[
+                                    (int64_t)(q_start + row / p.group_size) * p.q_stride_token +
+                                    (int64_t)(kv_head * p.group_size + row % p.group_size) * p.q_stride_head + d])
+                              : 0.f;
+    }
+    fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
+  }
+
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
   uint32_t q_frag[kRowTiles][C::kKSteps][2];
   int row_pos[kRowTiles][2];  // cache position of query rows 2c, 2c+1 (or -1: no such row)
@@ -225,8 +260,13 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         // k-step s, slot half: pair j of word s/2 of this thread's K chunk
         const int j = (s & 1) * 2 + half;
         const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element(j);
-        const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
-        q_frag[t][s][half] = lo | (hi << 16);
+        if (p.hadamard) {
+          const float* r = q_rot + row * kHeadDim;
+          q_frag[t][s][half] = TT::pack(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale);
+        } else {
+          const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
+          q_frag[t][s][half] = lo | (hi << 16);
+        }
       }
     }
 #pragma unroll
@@ -235,6 +275,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       row_pos[t][i] = r < rows ? seq_len - q_len + r / p.group_size : -1;
     }
   }
+
+  if (p.hadamard) __syncthreads();  // q_rot is read; the pipeline may overwrite it
 
   // ---------------- pipeline: thread -> (token, half) of each stage
   const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
@@ -487,7 +529,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
     }
     if (p.num_splits > 1) {
-      p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = o;
+      // with rotation the partial rows are rotated back below (the merge is linear in them); this
+      // element's token-warp-0 slot was read above by this thread only, so it can hold the value
+      if (p.hadamard) merge_out[row * kHeadDim + d] = o;
+      else p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = o;
       if (d == 0) {
         p.partial_max[part * p.max_rows + row] = m;
         p.partial_sum[part * p.max_rows + row] = l;
@@ -502,10 +547,27 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       o *= f;
       l = l * f + exp2f(sink - m2);
     }
-    T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-             (int64_t)head * p.out_stride_head + d;
     // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
-    TT::store(dst, l == 0.f ? 0.f : o * (v_scale / l));
+    const float value = l == 0.f ? 0.f : o * (v_scale / l);
+    if (p.hadamard) {
+      merge_out[row * kHeadDim + d] = value;
+      continue;
+    }
+    TT::store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+                  (int64_t)head * p.out_stride_head + d, value);
+  }
+  if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
+    fwht_rows<kHeadDim>(merge_out, rows);
+    for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
+      const int row = idx / kHeadDim, d = idx % kHeadDim;
+      const float value = merge_out[row * kHeadDim + d] * p.hadamard_scale;
+      if (p.num_splits > 1) {
+        p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = value;
+      } else {
+        TT::store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+                      (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head + d, value);
+      }
+    }
   }
 }
 

@@ -29,6 +29,10 @@ struct WriteKVParams {
   int64_t num_slots;
   QueryType dtype;
   ScaleRule scale_rule;
+  // KV mode "hadamard": quantize x H (format.hadamard_transform: fp32 butterflies, then one multiply
+  // by hadamard_scale = float32(1/sqrt(head_dim)), rounded to the input dtype) instead of x
+  bool hadamard;
+  float hadamard_scale;
 };
 
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).
@@ -51,6 +55,10 @@ struct DecodeParams {
   int batch, num_kv_heads, group_size, head_dim, page_size_log2, num_splits;
   int max_rows;                                         // max_query_len * group_size
   QueryType dtype;
+  // KV mode "hadamard" (the cache holds k H, v H): q is rotated by H and the output rotated back
+  // by H inside the kernel (fp32 butterflies, then one multiply by hadamard_scale = 1/sqrt(D))
+  bool hadamard;
+  float hadamard_scale;
 };
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);

@@ -1,7 +1,10 @@
 // Quantize-on-write.  One thread per 16-element block of one token-head of K or V: it reads
 // 32 contiguous bytes, computes the block scale and the 16 codes, and writes 8 + 1 bytes.
 // Scale rule "6or4" (format.SCALE_RULES) also encodes the block with its maximum mapped to 4 and
-// keeps whichever has the smaller squared error.
+// keeps whichever has the smaller squared error.  KV mode "hadamard" first rotates each token-head
+// by the fast Walsh-Hadamard transform of format.hadamard_transform: butterflies within a thread's
+// block for strides 1..8, across the lanes holding the token-head's other blocks above (they are
+// neighbouring lanes of one warp: blocks_per_head divides 32).
 // The fp32 operations and their order are the ones nvfp4_backend/format.py documents; the
 // __f*_rn intrinsics keep nvcc from contracting or approximating them, so the result is
 // bit-identical to the reference.
@@ -18,6 +21,9 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// fp32 -> T -> fp32, round-to-nearest-even: the reference rounds the rotated values to the input dtype
+__device__ __forceinline__ float round_to(float x, __half) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float round_to(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 // Round-to-nearest-even onto the E2M1 magnitudes, saturating at 6; ties go to the even code.
 __device__ __forceinline__ uint32_t e2m1_code(float q) {
@@ -68,24 +74,58 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
   const int blocks_per_head = p.head_dim / kBlock;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  // index order (token, side, head, block): neighbouring threads read neighbouring bytes
+  // index order (token, side, head, block): neighbouring threads read neighbouring bytes, and a
+  // token-head's blocks sit on neighbouring lanes of one warp
   const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * blocks_per_head;
-  if (idx >= total) return;
+  const bool in_range = idx < total;
   const int block = idx % blocks_per_head;
   const int head = (idx / blocks_per_head) % p.num_kv_heads;
   const int side = (idx / (int64_t(blocks_per_head) * p.num_kv_heads)) % 2;
-  const int token = idx / (int64_t(blocks_per_head) * p.num_kv_heads * 2);
+  const int64_t token = in_range ? idx / (int64_t(blocks_per_head) * p.num_kv_heads * 2) : 0;
 
-  const int64_t slot = p.slot_mapping[token];
-  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t slot = in_range ? p.slot_mapping[token] : -1;
+  // the same for all lanes of a token-head; with rotation every lane stays for the shuffles
+  const bool active = slot >= 0 && slot < p.num_slots;
+  if (!active && !p.hadamard) return;
   const int64_t page = slot / p.page_size, in_page = slot % p.page_size;
 
-  const T* src = static_cast<const T*>(side ? p.value : p.key) + token * p.kv_stride_token +
-                 head * p.kv_stride_head + block * kBlock;
-  uint4 raw[2];
-  raw[0] = __ldg(reinterpret_cast<const uint4*>(src));
-  raw[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
-  const T* x = reinterpret_cast<const T*>(raw);
+  float vals[kBlock];
+  if (active) {
+    const T* src = static_cast<const T*>(side ? p.value : p.key) + token * p.kv_stride_token +
+                   head * p.kv_stride_head + block * kBlock;
+    uint4 raw[2];
+    raw[0] = __ldg(reinterpret_cast<const uint4*>(src));
+    raw[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+    const T* x = reinterpret_cast<const T*>(raw);
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) vals[i] = to_float(x[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) vals[i] = 0.0f;
+  }
+  if (p.hadamard) {
+#pragma unroll
+    for (int h = 1; h < kBlock; h *= 2) {
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i) {
+        if (i & h) continue;
+        const float a = vals[i], b = vals[i + h];
+        vals[i] = __fadd_rn(a, b);
+        vals[i + h] = __fsub_rn(a, b);
+      }
+    }
+    for (int m = 1; m < blocks_per_head; m *= 2) {  // stride 16 m: the block `block ^ m`
+      const bool low = (block & m) == 0;
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i) {
+        const float other = __shfl_xor_sync(0xffffffffu, vals[i], m);
+        vals[i] = low ? __fadd_rn(vals[i], other) : __fsub_rn(other, vals[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) vals[i] = round_to(__fmul_rn(vals[i], p.hadamard_scale), T());
+    if (!active) return;
+  }
 
   const float enc = __fdiv_rn(1.0f, __ldg(side ? p.v_global_scale : p.k_global_scale));
   float scaled[kBlock];
@@ -93,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
   bool has_nan = false;
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
-    scaled[i] = __fmul_rn(to_float(x[i]), enc);
+    scaled[i] = __fmul_rn(vals[i], enc);
     has_nan |= isnan(scaled[i]);
     amax = fmaxf(amax, fabsf(scaled[i]));
   }

@@ -22,6 +22,8 @@ Defined behaviour for values the format cannot hold:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK_SIZE = 16
@@ -193,6 +195,28 @@ def hadamard(head_dim: int, device: torch.device | str = "cpu", dtype: torch.dty
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / h.shape[0] ** 0.5).to(device=device, dtype=dtype)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x H`` along the last dimension (H = ``hadamard(D)``), in fp32, by the fast Walsh-Hadamard
+    transform: butterflies (a, b) -> (a + b, a - b) on the pairs (i, i + h) for h = 1, 2, 4, ...,
+    D/2, then one multiply by float32(1/sqrt(D)).
+
+    These fp32 operations, in this order, define the writer's rotation of K and V (KV mode
+    "hadamard"): the CUDA writer performs the same ones (inside a thread for h < 16, across the
+    lanes holding a token-head's blocks above), so both store the same bytes.
+    """
+    d = x.shape[-1]
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two for a Hadamard rotation, got {d}")
+    y = x.float()
+    h = 1
+    while h < d:
+        pairs = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return y * torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
 
 
 def dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor | float,

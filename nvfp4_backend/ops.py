@@ -22,12 +22,13 @@ _lib = torch.library.Library("nvfp4_backend", "DEF")
 _lib.define(
     "write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
     "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
-    "str scale_rule=\"6\") -> ()")
+    "str scale_rule=\"6\", str rotation=\"none\") -> ()")
 _lib.define(
     "paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
     "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
-    "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace) -> ()")
+    "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
+    "str rotation=\"none\") -> ()")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -94,9 +95,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {cache.num_slots} slots")
     kg = _check_global_scale("k_global_scale", k_global_scale, dev)
     vg = _check_global_scale("v_global_scale", v_global_scale, dev)
-    if cache.mode.rotation == "hadamard":
-        key, value = _rotate(key), _rotate(value)
-    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule)
+    torch.ops.nvfp4_backend.write_kv(key, value, slot_mapping, *cache.tensors(), kg, vg, cache.mode.scale_rule,
+                                     cache.mode.rotation)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +111,7 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale, scale_rule="6") -> None:
+                   k_global_scale, v_global_scale, scale_rule="6", rotation="none") -> None:
     from . import jit
     # head dims the kernels were tested with on a GPU; any other multiple of 16 takes the reference
     if (key.is_cuda and key.shape[-1] in fmt.SUPPORTED_HEAD_DIMS
@@ -122,8 +122,11 @@ def _write_kv_impl(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
             key = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
             value = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
         jit.load(key.device).write_kv(key, value, slot_mapping.long(), k_data, k_block_scales, v_data,
-                                      v_block_scales, k_global_scale, v_global_scale, scale_rule)
+                                      v_block_scales, k_global_scale, v_global_scale, scale_rule, rotation)
         return
+    if rotation == "hadamard":  # the writer's rotation, fmt.hadamard_transform, rounded to the input dtype
+        key = fmt.hadamard_transform(key).to(key.dtype)
+        value = fmt.hadamard_transform(value).to(value.dtype)
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
     reference.write_kv_ref(key, value, slot_mapping, cache, k_global_scale, v_global_scale, scale_rule)
 
@@ -134,7 +137,7 @@ _lib.impl("write_kv", _write_kv_impl, "CUDA")
 
 @torch.library.register_fake("nvfp4_backend::write_kv")
 def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_block_scales,
-                   k_global_scale, v_global_scale, scale_rule="6") -> None:
+                   k_global_scale, v_global_scale, scale_rule="6", rotation="none") -> None:
     return None
 
 
@@ -248,19 +251,11 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"workspace is on {workspace.device}, expected {dev} (the cache's device)")
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
-    rotated = cache.mode.rotation == "hadamard"
-    # with a rotated cache: q H in, and the output (P V H) rotated back
-    target = torch.zeros_like(q) if rotated else out
+    # a rotated cache (k H, v H): q H in and the output (P V H) rotated back, inside the kernel
     torch.ops.nvfp4_backend.paged_attention(
-        target, _rotate(q) if rotated else q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
+        out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace)
-    if rotated:
-        # rows that belong to no request stay untouched, as without rotation (a mask, not a host
-        # read of query_start_loc, so this captures in CUDA graphs)
-        rows = torch.arange(q.shape[0], device=dev)
-        live = (rows >= query_start_loc[0]) & (rows < query_start_loc[-1])
-        out.copy_(torch.where(live[:, None, None], _rotate(target), out))
+        plan.num_splits, workspace, cache.mode.rotation)
     return out
 
 
@@ -297,7 +292,7 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
 
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
-                          logits_soft_cap, sinks, max_query_len, num_splits, workspace) -> None:
+                          logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none") -> None:
     from . import jit
     kernel = (q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data)
               and jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]))
@@ -305,12 +300,15 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
         jit.load(q.device).paged_attention(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, max_query_len,
-            num_splits, workspace)
+            num_splits, workspace, rotation)
         return
+    rotated = rotation == "hadamard"
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
-    args = (q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale, softmax_scale,
-            sliding_window or None, logits_soft_cap or None, sinks)
+    args = (_rotate(q) if rotated else q, cache, block_table, seq_lens, query_start_loc, k_global_scale,
+            v_global_scale, softmax_scale, sliding_window or None, logits_soft_cap or None, sinks)
     res = extend_attention(*args) if q.is_cuda else reference.paged_attention_ref(*args)
+    if rotated:  # the fp32 result rotated back, then rounded once into out
+        res = _rotate(res)
     # rows that belong to no request are left as they were, as the kernel leaves them
     first, last = int(query_start_loc[0]), int(query_start_loc[-1])
     out[first:last].copy_(res[first:last])

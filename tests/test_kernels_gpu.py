@@ -40,7 +40,10 @@ def _scales(gen, n=2):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale_rule", fmt.SCALE_RULES)
-def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, gen):
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, rotation, gen):
+    """The CUDA writer == the CPU reference, bit for bit; with rotation the kernel's in-register
+    Walsh-Hadamard transform == fmt.hadamard_transform (through the op's CPU implementation)."""
     assert jit.kernels_available(torch.device(DEV))
     page_size, heads, pages, tokens = 16, 4, 40, 300
     x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
@@ -58,10 +61,11 @@ def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, gen):
         fill_random(c, gen)
     for a, b in zip(out_kernel.tensors(), out_ref.tensors()):
         b.copy_(a)
-    torch.ops.nvfp4_backend.write_kv(key, value, slots, *out_kernel.tensors(), kg, vg, scale_rule)
+    torch.ops.nvfp4_backend.write_kv(key, value, slots, *out_kernel.tensors(), kg, vg, scale_rule, rotation)
     ref_cpu = _to_cpu(out_ref)  # the reference on the CPU: kernel == CPU reference, bit for bit
-    reference.write_kv_ref(key.cpu(), value.cpu(), slots.cpu(), ref_cpu, kg.cpu(), vg.cpu(), scale_rule)
-    if scale_rule == "6or4":  # the rule must have chosen the maximum-of-4 scale somewhere
+    torch.ops.nvfp4_backend.write_kv(key.cpu(), value.cpu(), slots.cpu(), *ref_cpu.tensors(), kg.cpu(), vg.cpu(),
+                                     scale_rule, rotation)
+    if scale_rule == "6or4" and rotation == "none":  # the rule must have chosen the maximum-of-4 scale somewhere
         six = _to_cpu(out_ref)
         reference.write_kv_ref(key.cpu(), value.cpu(), slots.cpu(), six, kg.cpu(), vg.cpu(), "6")
         assert not torch.equal(six.k_block_scales, ref_cpu.k_block_scales)
@@ -81,33 +85,52 @@ def _to_cpu(cache):
 
 
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
-def test_modes_end_to_end(mode, gen):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows"])
+def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
-    the CPU reference's quantization of the (GPU-rotated) K/V, and attention equals the reference
-    on those bytes with q rotated in and the output rotated back."""
-    d, hkv, group, ps = 128, 2, 4, 16
-    seq_lens, q_lens = [700, 33, 1500], [1, 3, 1]
+    the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
+    kernel), and attention (the kernel rotates q in and the output back) equals the fp64 reference
+    on those bytes, given the rotated q rounded as the kernel rounds it, with the output rotated
+    back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
+    block serves (several row warps share the rotated-q buffer); rows past the batch untouched."""
+    d, hkv, ps = head_dim, 2, 16
+    group, q_len = (16, jit.decode_max_rows(d) // 16) if case == "many_rows" else (4, 2)
+    seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
-    batch = make_batch(seq_lens, q_lens, hkv * group, d, ps, 300, torch.bfloat16, gen, DEV)
+    batch = make_batch(seq_lens, q_lens, hkv * group, d, ps, 300, dtype, gen, DEV)
     n = sum(seq_lens)
-    kv = (torch.randn(2, n, hkv, d, generator=gen) * torch.rand(2, n, hkv, 1, generator=gen) * 8).bfloat16().to(DEV)
+    kv = (torch.randn(2, n, hkv, d, generator=gen) * torch.rand(2, n, hkv, 1, generator=gen) * 8).to(dtype).to(DEV)
     slots = torch.cat([batch.block_table[b, torch.arange(s, device=DEV) // ps].long() * ps + torch.arange(s, device=DEV) % ps
                        for b, s in enumerate(seq_lens)])
     kg, vg = _scales(gen)
     want = _to_cpu(cache)  # before the write: bytes outside the slots must stay as they were
     ops.write_kv(kv[0], kv[1], slots, cache, kg, vg)
-    rot = ops._rotate if mode.rotation == "hadamard" else (lambda x: x)
-    reference.write_kv_ref(rot(kv[0]).cpu(), rot(kv[1]).cpu(), slots.cpu(), want, kg.cpu(), vg.cpu(), mode.scale_rule)
+    hadamard = mode.rotation == "hadamard"
+    written = (lambda x: fmt.hadamard_transform(x).to(x.dtype)) if hadamard else (lambda x: x)
+    reference.write_kv_ref(written(kv[0].cpu()), written(kv[1].cpu()), slots.cpu(), want, kg.cpu(), vg.cpu(),
+                           mode.scale_rule)
     for name, a, b in zip(("k_data", "k_scales", "v_data", "v_scales"), cache.tensors(), want.tensors()):
         assert torch.equal(a.cpu(), b), f"{name} differs from the reference quantization ({mode.name})"
-    out = torch.full_like(batch.q, float("nan"))
-    ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out)
+    q = torch.cat([batch.q, torch.randn(2, *batch.q.shape[1:], device=DEV).to(dtype)])  # 2 rows past the batch
+    out = torch.full_like(q, float("nan"))
+    sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
+    plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)))
+    if case == "single":
+        plan = ops.AttentionPlan(1, 0)
+    assert (plan.num_splits > 1) == (case != "single")  # partial rows are rotated back too
+    ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
+                        max_query_len=max(q_lens), plan=plan, sinks=sinks)
+    h = fmt.hadamard(d, DEV, torch.float64) if hadamard else torch.eye(d, dtype=torch.float64, device=DEV)
+    q_in = written(batch.q).double()  # what the kernel's MMA sees: x H rounded to the query dtype
     plain = PagedKVCache(*cache.tensors())
-    ref = reference.paged_attention_ref(rot(batch.q), plain, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                        kg, vg, 0.09, dtype=torch.float64)
-    ref = rot(ref.to(torch.bfloat16)).float()
-    assert rel_l2(out.float(), ref) < TOL
+    ref = reference.paged_attention_ref(q_in, plain, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
+                                        0.09, sinks=sinks, dtype=torch.float64) @ h
+    rows = batch.q.shape[0]
+    assert rel_l2(out[:rows].float(), ref) < TOL
+    assert torch.isnan(out[rows:]).all()
 
 
 # ----------------------------------------------------------------------------------- decode

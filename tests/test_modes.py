@@ -73,6 +73,31 @@ def test_hadamard_is_orthonormal_and_symmetric(d):
     assert torch.equal(h, h.T)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_hadamard_transform_is_x_times_h_by_the_documented_butterflies(d, g):
+    """fmt.hadamard_transform (the writer's rotation) is x H up to fp32 rounding, its own inverse,
+    and bit for bit the scalar butterfly loop its docstring defines (the CUDA writer's order)."""
+    x = torch.randn(3, d, generator=g) * torch.rand(3, 1, generator=g) * 100
+    y = fmt.hadamard_transform(x)
+    exact = x.double() @ fmt.hadamard(d, dtype=torch.float64)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5 * float(x.abs().max()))
+    torch.testing.assert_close(fmt.hadamard_transform(y).double(), x.double(), rtol=0, atol=1e-5 * float(x.abs().max()))
+    rows = []
+    for row in x.tolist():
+        v = [torch.tensor(e, dtype=torch.float32) for e in row]
+        h = 1
+        while h < d:
+            for i in range(d):
+                if not i & h:
+                    v[i], v[i + h] = v[i] + v[i + h], v[i] - v[i + h]
+            h *= 2
+        rows.append(torch.stack(v) * torch.tensor(1 / math.sqrt(d), dtype=torch.float32))
+    assert torch.equal(y, torch.stack(rows))
+    with pytest.raises(ValueError, match="power of two"):
+        fmt.hadamard_transform(torch.zeros(2, 96))
+
+
 def test_rotation_is_exact_without_quantization(g):
     """q.k = (qH).(kH) and P (V H) H = P V: attention over rotated dense K/V, with the query
     rotated and the output rotated back, equals the unrotated attention (fp64)."""
@@ -104,7 +129,7 @@ def test_ops_apply_the_cache_mode(mode, g):
                        for b, s in enumerate(seq_lens)])
     ops.write_kv(key, value, slots, cache, 0.5, 0.25)
     h = fmt.hadamard(d) if mode.rotation == "hadamard" else torch.eye(d)
-    want_k, want_ks = fmt.quantize((key.float() @ h).bfloat16() if mode.rotation == "hadamard" else key, 0.5,
+    want_k, want_ks = fmt.quantize(fmt.hadamard_transform(key).bfloat16() if mode.rotation == "hadamard" else key, 0.5,
                                    mode.scale_rule)
     pages, offs = slots // ps, slots % ps
     assert torch.equal(cache.k_data[pages, offs], want_k) and torch.equal(cache.k_block_scales[pages, offs], want_ks)

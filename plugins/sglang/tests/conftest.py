@@ -42,7 +42,7 @@ def rotated(x, mode):
     """What the pool holds for x before quantization: x, or x H in x's dtype (as the core rotates)."""
     if mode.rotation == "none":
         return x
-    return (x.float() @ fmt.hadamard(x.shape[-1])).to(x.dtype)
+    return fmt.hadamard_transform(x).to(x.dtype)
 
 
 def stored_values(x, g, mode):

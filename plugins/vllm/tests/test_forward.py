@@ -170,7 +170,7 @@ def stored(x, mode: KVMode):
     """What the cache holds for x in a mode: x, or x H (bf16, as the core rotates)."""
     if mode.rotation == "none":
         return x.float()
-    return (x.float() @ fmt.hadamard(x.shape[-1])).to(x.dtype).float()
+    return fmt.hadamard_transform(x).to(x.dtype).float()
 
 
 def roundtrip(x, scale, mode: KVMode = KVMode()):
