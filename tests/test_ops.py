@@ -105,10 +105,13 @@ def test_extend_attention_matches_reference(chunk, make_batch, gen, monkeypatch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("gather_tokens", [1, 100, 1 << 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_extend_attention_sdpa_path_matches_reference(dtype, make_batch, gen):
+def test_extend_attention_sdpa_path_matches_reference(dtype, gather_tokens, make_batch, gen, monkeypatch):
     """Plain causal extends go through SDPA on a lossless q-dtype workspace (global scales folded
-    into the softmax scale and the output): the reference up to q-dtype rounding."""
+    into the softmax scale and the output): the reference up to q-dtype rounding, whether the
+    requests are dequantized one per pass (1), in groups (100) or all together."""
+    monkeypatch.setattr(ops, "EXTEND_GATHER_TOKENS", gather_tokens)
     step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
                       q_dtype=dtype, k_global_scale=0.37, v_global_scale=3.1)
     cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
