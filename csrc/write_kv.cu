@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include "e2m1.h"
 #include "nvfp4_kernels.h"
 
 namespace nvfp4 {
@@ -24,14 +25,6 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 // fp32 -> T -> fp32, round-to-nearest-even: the reference rounds the rotated values to the input dtype
 __device__ __forceinline__ float round_to(float x, __half) { return __half2float(__float2half_rn(x)); }
 __device__ __forceinline__ float round_to(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-// Round-to-nearest-even onto the E2M1 magnitudes, saturating at 6; ties go to the even code.
-__device__ __forceinline__ uint32_t e2m1_code(float q) {
-  const float a = fabsf(q);
-  uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                  (a >= 3.5f) + (a > 5.0f);
-  return code | (signbit(q) ? 0x8u : 0u);
-}
 
 __device__ __forceinline__ float e2m1_value(uint32_t code) {
   // twice the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as nibbles of one constant: a dynamically
@@ -47,12 +40,14 @@ struct BlockChoice {
   uint32_t packed[2];
 };
 
-__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, float target) {
+// inv_scale: 1/scale per E4M3 byte (0 for a zero scale), the block's table
+__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, float target,
+                                                    const float* inv_scale) {
   BlockChoice c;
   const __nv_fp8_e4m3 sf(__fdiv_rn(amax, target));  // RNE, satfinite at 448 (Inf too)
   c.sf_byte = sf.__x;
   c.sf_value = float(sf);
-  const float inv = c.sf_value > 0.0f ? __fdiv_rn(1.0f, c.sf_value) : 0.0f;
+  const float inv = inv_scale[c.sf_byte];
   c.packed[0] = c.packed[1] = 0u;
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) c.packed[i / 8] |= e2m1_code(__fmul_rn(scaled[i], inv)) << (4 * (i % 8));
@@ -72,6 +67,19 @@ __device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], c
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
+  // once per thread block instead of per thread: the divisions 1/scale for every E4M3 byte and
+  // 1/global scale for K and V (the same __fdiv_rn, so the same bits)
+  static_assert(kThreads == 256, "one table entry per thread");
+  __shared__ float inv_scale[256];
+  __shared__ float encode_scale[2];
+  {
+    __nv_fp8_e4m3 sf;
+    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
+    const float value = float(sf);
+    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
+    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
+  }
+  __syncthreads();
   const int blocks_per_head = p.head_dim / kBlock;
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   // index order (token, side, head, block): neighbouring threads read neighbouring bytes, and a
@@ -127,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
     if (!active) return;
   }
 
-  const float enc = __fdiv_rn(1.0f, __ldg(side ? p.v_global_scale : p.k_global_scale));
+  const float enc = encode_scale[side];
   float scaled[kBlock];
   float amax = 0.0f;
   bool has_nan = false;
@@ -142,10 +150,10 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
     choice.sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
     choice.packed[0] = choice.packed[1] = 0u;
   } else {
-    choice = encode_block(scaled, amax, 6.0f);
+    choice = encode_block(scaled, amax, 6.0f, inv_scale);
     if (p.scale_rule == ScaleRule::kSixOrFour) {
       // the maximum-of-4 scale wins only when strictly better: a tie keeps the standard scale
-      const BlockChoice four = encode_block(scaled, amax, 4.0f);
+      const BlockChoice four = encode_block(scaled, amax, 4.0f, inv_scale);
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
     }
   }

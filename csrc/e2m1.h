@@ -1,0 +1,59 @@
+// Rounding an fp32 value onto an E2M1 code (format.py: round to nearest, ties to even, saturating
+// at 6; bit 3 is the sign).  Host and device code, so tests/csrc/e2m1_exhaustive.cpp can check the
+// writer's fast version against the threshold definition on every float.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define NVFP4_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NVFP4_HOST_DEVICE inline
+#endif
+
+namespace nvfp4 {
+
+NVFP4_HOST_DEVICE uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+NVFP4_HOST_DEVICE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// The definition: the magnitude code counts the rounding thresholds |q| passes (a tie at 0.25,
+// 1.25, 2.5 or 5 stays below, one at 0.75, 1.75 or 3.5 goes up: both land on the even code).
+NVFP4_HOST_DEVICE uint32_t e2m1_code_by_thresholds(float q) {
+  const float a = std::fabs(q);
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                        (a > 5.0f);
+  return code | (std::signbit(q) ? 0x8u : 0u);
+}
+
+// The same codes in fewer instructions, for every q that is not NaN (the writer stores NaN blocks
+// without rounding them): below 1 the code is rint(2|q|), taken from the low bits of 2|q| + 2^23;
+// from 1 up, the float keeps one mantissa bit (adding 0x1FFFFF plus the kept bit rounds to nearest
+// even), and exponent and that bit are the code, saturated at 7 (6.0).
+NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
+  const uint32_t bits = float_bits(q), abs_bits = bits & 0x7FFFFFFFu;
+  const uint32_t below_one = float_bits(fmaf(bits_float(abs_bits), 2.0f, 8388608.0f)) & 0x3u;
+  const uint32_t rounded = abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u);
+  const uint32_t from_one = (rounded >> 22) - 252u;
+  const uint32_t code = abs_bits < 0x3F800000u ? below_one : (from_one < 7u ? from_one : 7u);
+  return code | ((bits >> 28) & 0x8u);
+}
+
+}  // namespace nvfp4
