@@ -291,14 +291,16 @@ def run_prefill(args, device, gen, fi, ws) -> int:
                   f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e}" if "rel_err" in r else "")
                   + (f" [{r['path']}]" if "path" in r else ""),
                   flush=True)
-    Path(args.out).write_text(json.dumps(dict(meta=dict(gpu=torch.cuda.get_device_name(device),
-                                                        date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                                                        flashinfer=getattr(fi, "__version__", None),
-                                                        q_heads=args.q_heads, kv_heads=args.kv_heads,
-                                                        head_dim=args.head_dim, layout=args.layout,
-                                                        page_size=page_size),
-                                              prefill=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(meta=_meta(args, device, fi, page_size=page_size), prefill=rows),
+                                         indent=1))
     return 0
+
+
+def _meta(args, device, fi, **extra) -> dict:
+    """What a results file records about the run: GPU, date, versions, the attention shape."""
+    return dict(gpu=torch.cuda.get_device_name(device), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                flashinfer=getattr(fi, "__version__", None), **extra, q_heads=args.q_heads,
+                kv_heads=args.kv_heads, head_dim=args.head_dim, layout=args.layout)
 
 
 def bench_write(device, gen, iters, mode: KVMode = KVMode()) -> dict:
@@ -329,9 +331,7 @@ def run(args) -> int:
     if args.prefill:
         return run_prefill(args, device, gen, fi, ws)
     copy = copy_bandwidth(device)
-    meta = dict(gpu=torch.cuda.get_device_name(device), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                flashinfer=getattr(fi, "__version__", None), copy_tbps=copy, q_heads=args.q_heads,
-                kv_heads=args.kv_heads, head_dim=args.head_dim, layout=args.layout)
+    meta = _meta(args, device, fi, copy_tbps=copy)
     print(f"{meta['gpu']}: copy bandwidth {copy:.2f} TB/s (read + write)", flush=True)
     rows = []
     for ps in page_sizes:

@@ -118,10 +118,9 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
         value_amplitude=_log_uniform(rng, 1e-3, 1e3))  # outputs stay inside fp16 (|x| <~ 6e3)
 
 
-def fp16_weight_allowance(q, cache, block_table, seq_lens, query_start_loc, kg, vg, cfg) -> torch.Tensor:
+def fp16_weight_allowance(q, k, v, seq_lens, query_start_loc, cfg) -> torch.Tensor:
     """[rows, q_heads, D]: per output element, the most the kernel's fp16 softmax weights can move
-    it through rounding in fp16's subnormal range (see run_config)."""
-    k, v = reference.gather_kv_ref(cache, block_table, seq_lens, kg, vg, torch.float64)
+    it through rounding in fp16's subnormal range (see run_config); k, v: the dense fp64 K/V."""
     scores, rows, q_live = reference.attention_scores_ref(q, k, seq_lens, query_start_loc, cfg.softmax_scale,
                                                           cfg.sliding_window, cfg.logits_soft_cap, torch.float64)
     row_max = scores.amax(-1, keepdim=True)
@@ -191,7 +190,8 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     qsl = torch.tensor([0] + torch.tensor(cfg.q_lens).cumsum(0).tolist(), dtype=torch.int32)
     seq = torch.tensor(cfg.seq_lens, dtype=torch.int32)
     sinks = torch.randn(hq, generator=gen).to(device) if cfg.sinks else None
-    args = (q, cache, table.to(device), seq.to(device), qsl.to(device), kg, vg, cfg.softmax_scale)
+    table, seq, qsl_dev = table.to(device), seq.to(device), qsl.to(device)
+    args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
     plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device))
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
@@ -210,9 +210,10 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
         return dict(rec, ok=False, failure="two identical calls gave different outputs")
     if cfg.pad_rows and not torch.isnan(out[rows:]).all():
         return dict(rec, ok=False, failure="rows past the batch were written")
-    ref = reference.paged_attention_ref(q[:rows], cache, table.to(device), seq.to(device), qsl.to(device), kg, vg,
-                                        cfg.softmax_scale, cfg.sliding_window, cfg.logits_soft_cap, sinks,
-                                        torch.float64)
+    # reference.paged_attention_ref, with its dense fp64 K/V kept for the fp16 allowance below
+    k, v = reference.gather_kv_ref(cache, table, seq, kg, vg, torch.float64)
+    ref = reference.attention_ref(q[:rows], k, v, seq, qsl_dev, cfg.softmax_scale, cfg.sliding_window,
+                                  cfg.logits_soft_cap, sinks, torch.float64)
     # fp16 queries: the kernel rounds its softmax weights to fp16 for the P.V product (as
     # FlashAttention does).  A weight below 2^-14 of the running row maximum is an fp16 subnormal:
     # rounded to a multiple of 2^-24 (or flushed), an error of at most min(w, 2^-25) relative to the
@@ -221,8 +222,8 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     # over the keys with w_j < 2^-14, w from the fp64 scores: about 0 unless the attention is peaked.
     floor_allowance = None
     if dtype == torch.float16:
-        floor_allowance = fp16_weight_allowance(q[:rows], cache, table.to(device), seq.to(device), qsl.to(device),
-                                                kg, vg, cfg)
+        floor_allowance = fp16_weight_allowance(q[:rows], k, v, seq, qsl_dev, cfg)
+    del k, v
     worst, worst_excess = 0.0, 0.0
     for b in range(cfg.batch):
         r0, r1 = int(qsl[b]), int(qsl[b + 1])

@@ -439,7 +439,8 @@ def kernel_path(device) -> str:
     if jit.kernels_available(device):
         return (f"CUDA kernels ({jit.module_name(torch.cuda.get_device_capability(device))}) for decode "
                 f"(q_len x group <= {jit.decode_max_rows(128)}, {jit.decode_max_rows(256)} at head dim 256); "
-                f"PyTorch reference on the GPU for longer prefills")
+                f"longer prefills dequantized once and run through torch SDPA (window, soft-cap or sinks: "
+                f"the PyTorch reference)")
     return f"PyTorch reference on the GPU (kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(device))})"
 
 
