@@ -9,6 +9,7 @@ a ``ValueError``/``TypeError`` naming the argument and nothing is written.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -154,8 +155,9 @@ class AttentionPlan:
 
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
-SPLIT_BLOCKS_PER_SM = 2
-"""Thread blocks per SM the split count aims for (resident ones plus a few waves to even the tail)."""
+SPLIT_BLOCKS_PER_SM = 4
+"""Thread blocks per SM the split count aims for; the count is rounded down, so the splits never
+spill a partial extra wave past that many blocks per SM."""
 
 
 def num_sms(device) -> int:
@@ -177,7 +179,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    splits = max(1, min(math.ceil(SPLIT_BLOCKS_PER_SM * num_sms / blocks), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    splits = max(1, min(SPLIT_BLOCKS_PER_SM * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
@@ -321,19 +323,30 @@ EXTEND_GATHER_TOKENS = 1 << 16
 gathered together (shortest first) up to this, one request at least."""
 
 
+def _gather_kernel_serves(cache: PagedKVCache) -> bool:
+    """The gather kernel reads 8-byte pieces of data rows (any page size, single scale bytes)."""
+    from . import jit
+    return (cache.device.type == "cuda" and cache.head_dim in fmt.SUPPORTED_HEAD_DIMS
+            and jit.kernels_available(cache.device)
+            and all(t.data_ptr() % 8 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
+                    for t in (cache.k_data, cache.v_data)))
+
+
 def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale,
                      softmax_scale, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
     """Long extends (prefill, chunked prefill) on a GPU: dequantize the requests' pages into a
     dense K/V workspace once (several requests per pass, up to EXTEND_GATHER_TOKENS padded
-    positions), then dense attention per request.  Prefill is compute-bound, so reading the NVFP4
-    pages once per request and layer is not the cost that matters here.
+    positions; the gather kernel where it serves the layout), then dense attention per request.
+    Prefill is compute-bound, so reading the NVFP4 pages once per request and layer is not the
+    cost that matters here.
 
-    Plain causal attention goes to torch's SDPA (FlashAttention on GPUs) with K/V in fp16 (bf16
-    for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
+    Plain causal attention goes to torch's SDPA (FlashAttention / cuDNN on GPUs) with K/V in fp16
+    (bf16 for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
     there, so the workspace is lossless, and the scales fold into the softmax scale (K) and the
     output (V).  A window, soft-cap or sinks take the reference math in fp32, its score buffer
     bounded by EXTEND_CHUNK_TOKENS query rows.
     """
+    from . import jit
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -347,8 +360,8 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
         work = torch.float16 if q.dtype == torch.float16 or float(q.abs().amax()) < 6e4 else q.dtype
     live = [b for b in range(len(lens)) if qsl[b + 1] > qsl[b]]
     if plain:
-        # one dequantization per group of requests instead of one per request: on a GPU the
-        # dequantization is ~90 small ops and three host reads, which dominated short prefills
+        # one dequantization per group of requests instead of one per request: launches and host
+        # reads, not bytes, dominated short prefills (the torch-op version took ~90 ops per group)
         groups, group = [], []
         for b in sorted(live, key=lens.__getitem__):
             if group and (len(group) + 1) * lens[b] > EXTEND_GATHER_TOKENS:
@@ -356,13 +369,24 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
                 group = []
             group.append(b)
         groups += [group] if group else []
+        gather = jit.load(q.device).gather_kv if _gather_kernel_serves(cache) else None
         for group in groups:
             idx = torch.tensor(group, device=block_table.device)
-            k, v = reference.gather_kv_ref(cache, block_table[idx], seq_lens[idx], one, one, work)
-            for i, b in enumerate(group):
+            if gather is not None:  # the requests' positions packed into rows, one kernel launch
+                starts = list(itertools.accumulate((lens[b] for b in group), initial=0))
+                k = torch.empty((starts[-1], cache.num_kv_heads, cache.head_dim), dtype=work, device=q.device)
+                v = torch.empty_like(k)
+                gather(*cache.tensors(), block_table[idx], seq_lens[idx],
+                       torch.tensor(starts[:-1], dtype=torch.int64).to(q.device, non_blocking=True),
+                       max(lens[b] for b in group), k, v)
+                rows = [(k[a:z], v[a:z]) for a, z in zip(starts, starts[1:])]
+            else:
+                k, v = reference.gather_kv_ref(cache, block_table[idx], seq_lens[idx], one, one, work)
+                rows = [(k[i, :lens[b]], v[i, :lens[b]]) for i, b in enumerate(group)]
+            for b, (kb, vb) in zip(group, rows):
                 q_begin, q_end, seq_len = qsl[b], qsl[b + 1], lens[b]
                 # [1, heads, tokens, D]; q head h reads kv head h // group size (enable_gqa: no copies)
-                kh, vh = (x[i, :seq_len].transpose(0, 1)[None] for x in (k, v))
+                kh, vh = (x.transpose(0, 1)[None] for x in (kb, vb))
                 qh = q[q_begin:q_end].to(work).transpose(0, 1)[None]
                 o = torch.nn.functional.scaled_dot_product_attention(
                     qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale,
