@@ -40,6 +40,17 @@ void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
                 scale_bytes, "-byte aligned");
 }
 
+// The cache fields every params struct shares (K/V data and scale pointers, their strides).
+template <typename Params>
+void set_cache(Params& p, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf) {
+  p.k_data = k_data.data_ptr<uint8_t>();
+  p.v_data = v_data.data_ptr<uint8_t>();
+  p.k_block_scales = k_sf.data_ptr<uint8_t>();
+  p.v_block_scales = v_sf.data_ptr<uint8_t>();
+  p.data_strides = strides_of(k_data);
+  p.scale_strides = strides_of(k_sf);
+}
+
 int log2_exact(int64_t x, const char* name) {
   int l = 0;
   while ((int64_t(1) << l) < x) ++l;
@@ -66,12 +77,7 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.kv_stride_token = key.stride(0);
   p.kv_stride_head = key.stride(1);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  p.k_data = k_data.data_ptr<uint8_t>();
-  p.v_data = v_data.data_ptr<uint8_t>();
-  p.k_block_scales = k_sf.data_ptr<uint8_t>();
-  p.v_block_scales = v_sf.data_ptr<uint8_t>();
-  p.data_strides = strides_of(k_data);
-  p.scale_strides = strides_of(k_sf);
+  set_cache(p, k_data, k_sf, v_data, v_sf);
   p.k_global_scale = k_global.data_ptr<float>();
   p.v_global_scale = v_global.data_ptr<float>();
   p.num_tokens = key.size(0);
@@ -90,6 +96,50 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
   TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
+}
+
+void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
+               const Tensor& block_table, const Tensor& seq_lens, const Tensor& out_start, int64_t max_seq_len,
+               Tensor& k_out, Tensor& v_out) {
+  const c10::cuda::CUDAGuard guard(k_out.device());
+  // lighter than check_cache: 8-byte data reads, single scale bytes (vLLM's inline pages qualify)
+  for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
+    TORCH_CHECK(t->device() == k_out.device(), "cache tensors must be on ", k_out.device(), ", got ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
+                "cache tensors must be 4-D uint8 with a contiguous last dimension");
+  }
+  TORCH_CHECK(k_data.strides() == v_data.strides() && k_sf.strides() == v_sf.strides(),
+              "K and V cache tensors must have identical strides");
+  for (const Tensor* t : {&k_data, &v_data})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 &&
+                    t->stride(2) % 8 == 0,
+                "gather_kv reads cache data in 8-byte pieces: pointers and strides must be multiples of 8");
+  TORCH_CHECK(k_out.sizes() == v_out.sizes() && k_out.dtype() == v_out.dtype() && k_out.is_contiguous() &&
+                  v_out.is_contiguous() && k_out.dim() == 3 && k_out.size(1) == k_data.size(2) &&
+                  k_out.size(2) == 2 * k_data.size(3) && k_out.size(2) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(k_out.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v_out.data_ptr()) % 16 == 0,
+              "k_out and v_out must be contiguous [rows, num_kv_heads, head_dim] tensors of one dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  block_table.stride(1) == 1 && out_start.scalar_type() == at::kLong && out_start.is_contiguous() &&
+                  out_start.numel() == seq_lens.numel() && block_table.size(0) >= seq_lens.numel(),
+              "block_table and seq_lens must be int32, out_start int64 with one entry per request");
+  nvfp4::GatherKVParams p{};
+  set_cache(p, k_data, k_sf, v_data, v_sf);
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.out_start = out_start.data_ptr<int64_t>();
+  p.k_out = k_out.data_ptr();
+  p.v_out = v_out.data_ptr();
+  p.batch = seq_lens.numel();
+  p.num_kv_heads = k_data.size(2);
+  p.head_dim = k_out.size(2);
+  p.page_size = k_data.size(1);
+  p.max_seq_len = max_seq_len;
+  p.dtype = query_type(k_out, "k_out");
+  const cudaError_t err = nvfp4::launch_gather_kv(p, c10::cuda::getCurrentCUDAStream(k_out.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "nvfp4 gather_kv launch failed: ", cudaGetErrorString(err));
 }
 
 void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
@@ -122,12 +172,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.q_stride_head = q.stride(1);
   p.out_stride_token = out.stride(0);
   p.out_stride_head = out.stride(1);
-  p.k_data = k_data.data_ptr<uint8_t>();
-  p.v_data = v_data.data_ptr<uint8_t>();
-  p.k_block_scales = k_sf.data_ptr<uint8_t>();
-  p.v_block_scales = v_sf.data_ptr<uint8_t>();
-  p.data_strides = strides_of(k_data);
-  p.scale_strides = strides_of(k_sf);
+  set_cache(p, k_data, k_sf, v_data, v_sf);
   p.block_table = block_table.data_ptr<int>();
   p.block_table_stride = block_table.stride(0);
   p.seq_lens = seq_lens.data_ptr<int>();
@@ -164,6 +209,8 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
         "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
         "str scale_rule, str rotation) -> ()");
+  m.def("gather_kv(Tensor k_data, Tensor k_block_scales, Tensor v_data, Tensor v_block_scales, Tensor block_table, "
+        "Tensor seq_lens, Tensor out_start, int max_seq_len, Tensor(a!) k_out, Tensor(b!) v_out) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
@@ -173,5 +220,6 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {
   m.impl("write_kv", &write_kv);
+  m.impl("gather_kv", &gather_kv);
   m.impl("paged_attention", &paged_attention);
 }

@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include "e2m1.h"
 #include "nvfp4_kernels.h"
 
 namespace nvfp4 {
@@ -113,15 +114,6 @@ __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
   using T2 = typename TypeTraits<T>::T2;
   T2 r = __hmul2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
-}
-
-// E4M3 byte -> fp32, exact, portable (no FP8 conversion instruction before SM89).
-__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
-  const uint32_t mag = byte & 0x7Fu;
-  // eeee.mmm into the low exponent / top mantissa bits of an fp32: value * 2^-120 (subnormal too)
-  float v = __uint_as_float(mag << 20) * 1.329227995784916e36f;  // * 2^120
-  v = (mag == 0x7Fu) ? __uint_as_float(0x7FC00000u) : v;
-  return (byte & 0x80u) ? -v : v;
 }
 
 // Four fp16/bf16 pairs from the 8 nibbles of a word: (n3,n7), (n2,n6), (n1,n5), (n0,n4).
@@ -226,7 +218,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int first_qpos = seq_len - q_len;
 
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_to_float(i));  // read after the first barrier
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_value(i));  // read after the first barrier
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
   // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);

@@ -1,6 +1,7 @@
-// Rounding an fp32 value onto an E2M1 code (format.py: round to nearest, ties to even, saturating
-// at 6; bit 3 is the sign).  Host and device code, so tests/csrc/e2m1_exhaustive.cpp can check the
-// writer's fast version against the threshold definition on every float.
+// E2M1 codes and E4M3 scale bytes <-> fp32.  Rounding an fp32 value onto an E2M1 code (format.py:
+// round to nearest, ties to even, saturating at 6; bit 3 is the sign), and decoding codes and scale
+// bytes.  Host and device code, so tests/csrc/e2m1_exhaustive.cpp can check the writer's fast
+// rounding against the threshold definition on every float.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -54,6 +55,22 @@ NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
   const uint32_t from_one = (rounded >> 22) - 252u;
   const uint32_t code = abs_bits < 0x3F800000u ? below_one : (from_one < 7u ? from_one : 7u);
   return code | ((bits >> 28) & 0x8u);
+}
+
+// Code -> value: twice the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as nibbles of one constant (a
+// dynamically indexed array would live in local memory: it made the 6-or-4 writer 8x slower).
+NVFP4_HOST_DEVICE float e2m1_value(uint32_t code) {
+  const float m = 0.5f * float((0xC8643210u >> (4u * (code & 7u))) & 0xFu);
+  return (code & 8u) ? -m : m;
+}
+
+// E4M3 byte -> fp32, exact, portable (no FP8 conversion instruction before SM89): eeee.mmm into
+// the low exponent / top mantissa bits of an fp32 is value * 2^-120, subnormals included.
+NVFP4_HOST_DEVICE float e4m3_value(uint32_t byte) {
+  const uint32_t mag = byte & 0x7Fu;
+  float v = bits_float(mag << 20) * 1.329227995784916e36f;  // * 2^120
+  v = (mag == 0x7Fu) ? bits_float(0x7FC00000u) : v;
+  return (byte & 0x80u) ? -v : v;
 }
 
 }  // namespace nvfp4

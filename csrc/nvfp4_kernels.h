@@ -61,7 +61,22 @@ struct DecodeParams {
   float hadamard_scale;
 };
 
+//! \brief Dequantize the cached K/V of a batch into dense rows: the extend path's SDPA input.
+//! Values are e2m1 x e4m3, without the global scales: exact in fp16 and bf16.
+struct GatherKVParams {
+  const uint8_t* k_data; const uint8_t* v_data;           // 8-byte aligned rows
+  const uint8_t* k_block_scales; const uint8_t* v_block_scales;
+  PageStrides data_strides, scale_strides;
+  const int* block_table; int64_t block_table_stride;     // [batch, max_pages] page indices
+  const int* seq_lens;                                     // [batch] positions to gather
+  const int64_t* out_start;                                // [batch] first output row of each request
+  void* k_out; void* v_out;                                // [rows, num_kv_heads, head_dim] contiguous
+  int batch, num_kv_heads, head_dim, page_size, max_seq_len;
+  QueryType dtype;
+};
+
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
+cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream);
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
 //! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
 int decode_max_rows(int head_dim);

@@ -26,13 +26,6 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float round_to(float x, __half) { return __half2float(__float2half_rn(x)); }
 __device__ __forceinline__ float round_to(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  // twice the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as nibbles of one constant: a dynamically
-  // indexed array would live in local memory (it made the 6-or-4 writer 8x slower)
-  const float m = 0.5f * float((0xC8643210u >> (4u * (code & 7u))) & 0xFu);
-  return (code & 8u) ? -m : m;
-}
-
 // The E4M3 scale for a block maximum mapped onto `target`, its value, and the codes.
 struct BlockChoice {
   uint8_t sf_byte;

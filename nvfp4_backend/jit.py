@@ -18,7 +18,7 @@ from . import format as fmt
 
 log = logging.getLogger("nvfp4_backend")
 
-KERNEL_SOURCES = ("write_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
+KERNEL_SOURCES = ("write_kv.cu", "gather_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
                   "paged_decode_hd256.cu")
 BINDING_SOURCE = "binding.cu"
 MAX_DECODE_ROWS = 64
