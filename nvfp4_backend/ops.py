@@ -156,8 +156,9 @@ class AttentionPlan:
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4
-"""Thread blocks per SM the split count aims for; the count is rounded down, so the splits never
-spill a partial extra wave past that many blocks per SM."""
+"""Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
+one row tile); wider blocks hold more registers, so half as many.  The count is rounded down: the
+splits never spill a partial extra wave past that many blocks per SM."""
 
 
 def num_sms(device) -> int:
@@ -179,7 +180,8 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    splits = max(1, min(SPLIT_BLOCKS_PER_SM * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    per_sm = SPLIT_BLOCKS_PER_SM if rows <= 8 else SPLIT_BLOCKS_PER_SM // 2
+    splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
