@@ -371,6 +371,20 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     ref = reference.paged_attention_ref(new_q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg,
                                         vg, 0.1, dtype=torch.float64)
     assert rel_l2(out.float(), ref) < TOL
+    # the extend path (gather kernel + SDPA) on that device and stream: 64 new rows of request 1
+    ext_q = torch.randn(64, hkv * group, d, generator=gen).to(torch.bfloat16).to(dev)
+    ext_qsl = torch.tensor([0, 0, 64, 64], dtype=torch.int32, device=dev)
+    ext_out = torch.full_like(ext_q, float("nan"))
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        ext_q.mul_(2.0)  # queued behind the sleep: work on another stream would read the old rows
+        ops.paged_attention(ext_q, cache, batch.block_table, batch.seq_lens, ext_qsl, kg, vg, 0.1, max_query_len=64,
+                            out=ext_out)
+    stream.synchronize()
+    ref = reference.paged_attention_ref(ext_q, cache, batch.block_table, batch.seq_lens, ext_qsl, kg, vg, 0.1,
+                                        dtype=torch.float64)
+    assert rel_l2(ext_out.float(), ref) < TOL
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
