@@ -31,7 +31,7 @@ def test_cli_runs_and_records(tmp_path, capsys):
                  "--out", str(out)]) == 0
     run = json.loads(out.read_text())
     assert run["failures"] == 0 and len(run["records"]) == 8 and run["meta"]["first_seed"] == 1000
-    assert all(r["ok"] and r["rel_err"] < fuzz.TOLERANCE for r in run["records"])
+    assert all(r["ok"] and r["rel_err"] < fuzz.TOLERANCE and r["bound_used"] <= 1 for r in run["records"])
     assert "8 configurations, 0 failures" in capsys.readouterr().out
 
 
