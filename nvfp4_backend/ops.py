@@ -180,7 +180,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    per_sm = SPLIT_BLOCKS_PER_SM if rows <= 8 else SPLIT_BLOCKS_PER_SM // 2
+    per_sm = SPLIT_BLOCKS_PER_SM if rows <= 8 else max(1, SPLIT_BLOCKS_PER_SM // 2)
     splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
@@ -323,13 +323,19 @@ EXTEND_CHUNK_TOKENS = 4096
 EXTEND_GATHER_TOKENS = 1 << 16
 """Padded cache positions one dequantization of the SDPA extend path may cover: requests are
 gathered together (shortest first) up to this, one request at least."""
+EXTEND_GATHER_REQUESTS = 65535
+"""Requests one dequantization may cover: the gather kernel's grid has one row per request, and a
+CUDA grid's y dimension holds at most 65535."""
 
 
 def _gather_kernel_serves(cache: PagedKVCache) -> bool:
-    """The gather kernel reads 8-byte pieces of data rows (any page size, single scale bytes)."""
+    """The gather kernel reads 8-byte pieces of data rows (any page size, single scale bytes), K and
+    V through one set of strides (what its binding checks)."""
     from . import jit
     return (cache.device.type == "cuda" and cache.head_dim in fmt.SUPPORTED_HEAD_DIMS
             and jit.kernels_available(cache.device)
+            and cache.k_data.stride() == cache.v_data.stride()
+            and cache.k_block_scales.stride() == cache.v_block_scales.stride()
             and all(t.data_ptr() % 8 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
                     for t in (cache.k_data, cache.v_data)))
 
@@ -366,7 +372,8 @@ def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_
         # reads, not bytes, dominated short prefills (the torch-op version took ~90 ops per group)
         groups, group = [], []
         for b in sorted(live, key=lens.__getitem__):
-            if group and (len(group) + 1) * lens[b] > EXTEND_GATHER_TOKENS:
+            if group and ((len(group) + 1) * lens[b] > EXTEND_GATHER_TOKENS
+                          or len(group) == EXTEND_GATHER_REQUESTS):
                 groups.append(group)
                 group = []
             group.append(b)

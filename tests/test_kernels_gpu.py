@@ -371,7 +371,8 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     ref = reference.paged_attention_ref(new_q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg,
                                         vg, 0.1, dtype=torch.float64)
     assert rel_l2(out.float(), ref) < TOL
-    # the extend path (gather kernel + SDPA) on that device and stream: 64 new rows of request 1
+    # the extend path (gather kernel + SDPA) on that device: 64 new rows of request 1 (its host
+    # reads of the lengths wait for the queued work, so this part checks the device, not the stream)
     ext_q = torch.randn(64, hkv * group, d, generator=gen).to(torch.bfloat16).to(dev)
     ext_qsl = torch.tensor([0, 0, 64, 64], dtype=torch.int32, device=dev)
     ext_out = torch.full_like(ext_q, float("nan"))
@@ -385,6 +386,23 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     ref = reference.paged_attention_ref(ext_q, cache, batch.block_table, batch.seq_lens, ext_qsl, kg, vg, 0.1,
                                         dtype=torch.float64)
     assert rel_l2(ext_out.float(), ref) < TOL
+    # the gather kernel on that stream, no host read in between: the bytes it must read are written
+    # behind a sleep on the same stream
+    starts = torch.tensor([0, 300, 1500], device=dev)  # first output row per request (300, 1200, 77)
+    rows_k = torch.full((sum(seq_lens), hkv, d), float("nan"), dtype=torch.float16, device=dev)
+    rows_v = torch.full_like(rows_k, float("nan"))
+    new_bytes = torch.randint(0, 256, cache.k_data.shape, generator=gen, dtype=torch.uint8).to(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        cache.k_data.copy_(new_bytes)
+        jit.load(dev).gather_kv(*cache.tensors(), batch.block_table, batch.seq_lens, starts, max(seq_lens), rows_k,
+                                rows_v)
+    stream.synchronize()
+    one = torch.tensor(1.0, device=dev)
+    k_ref, _ = reference.gather_kv_ref(cache, batch.block_table, batch.seq_lens, one, one, torch.float16)
+    want = torch.cat([k_ref[b, :n] for b, n in enumerate(seq_lens)])
+    assert torch.equal(rows_k.view(torch.int16), want.view(torch.int16)), "gather_kv read the cache before the write"
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

@@ -130,6 +130,20 @@ def test_extend_attention_sdpa_path_matches_reference(dtype, gather_tokens, make
         assert torch.equal(k.double(), k64)
 
 
+def test_extend_attention_groups_do_not_change_the_result(make_batch, monkeypatch):
+    """Requests dequantized together or one per group (EXTEND_GATHER_REQUESTS = 1, as a batch past
+    the gather kernel's 65535 grid rows is split) give identical outputs."""
+    step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
+                      q_dtype=torch.float16, k_global_scale=0.37, v_global_scale=3.1)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
+    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(step.k_global_scale),
+            torch.tensor(step.v_global_scale), step.softmax_scale)
+    together = ops.extend_attention(*args)
+    monkeypatch.setattr(ops, "EXTEND_GATHER_REQUESTS", 1)
+    assert torch.equal(ops.extend_attention(*args), together)
+
+
 def test_extend_attention_bf16_queries_past_fp16_range(make_batch):
     step = make_batch((30,), (30,), page_size=16, num_kv_heads=1, group_size=2, head_dim=64,
                       q_dtype=torch.bfloat16)
