@@ -1,0 +1,94 @@
+"""Static SASS instruction counts of csrc/ kernels, without a GPU.
+
+Compiles one source for one arch with the project's nvcc flags, disassembles it with cuobjdump
+and prints, per kernel, the instruction count, the top opcodes and (--loop) the size of the
+innermost loop that holds HMMA instructions (the decode kernel's hot loop).  cuobjdump and
+nvdisasm are not in every CUDA install; the PyPI wheels carry them:
+
+    pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm -d /tmp/nv
+    for w in /tmp/nv/*.whl; do unzip -oq "$w" -d /tmp/nv/x; done
+    chmod +x /tmp/nv/x/nvidia/cu13/bin/*; export PATH=/tmp/nv/x/nvidia/cu13/bin:$PATH
+    python3 scripts/sass_histogram.py csrc/paged_decode_hd128.cu --arch 90 --match Li128ELi1ELi1E --loop
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from nvfp4_backend import jit  # noqa: E402
+
+INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def disassemble(source: Path, arch: int, defines: list[str]) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cap = (arch // 10, arch % 10)
+        subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS, *jit.arch_flags(cap),
+                        f"-I{REPO / 'csrc'}", *[f"-D{d}" for d in defines]], check=True)
+        return subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+def kernels(sass: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Kernel name -> [(address, opcode, operands)]."""
+    out, name = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+            continue
+        m = INSTR.match(line)
+        if m and name:
+            out[name].append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return out
+
+
+def hot_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The smallest backward-branch range that contains an HMMA: the innermost MMA loop."""
+    best = None
+    for addr, op, args in instrs:
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", args)
+            target = int(m.group(1), 16) if m else None
+            if target is not None and target < addr:
+                body = [i for i in instrs if target <= i[0] <= addr]
+                if any(o.startswith("HMMA") for _, o, _ in body) and (best is None or len(body) < len(best)):
+                    best = body
+    return best or []
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("source", type=Path)
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--match", default="", help="only kernels whose mangled name contains this")
+    p.add_argument("-D", dest="defines", action="append", default=[], help="extra preprocessor define")
+    p.add_argument("--loop", action="store_true", help="also count the innermost HMMA loop")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    if not (shutil.which("cuobjdump") and shutil.which("nvdisasm")):
+        print("cuobjdump and nvdisasm must be on PATH (see this script's docstring)", file=sys.stderr)
+        return 2
+    for name, instrs in kernels(disassemble(args.source, args.arch, args.defines)).items():
+        if args.match not in name:
+            continue
+        count = collections.Counter(op.split(".")[0] for _, op, _ in instrs)
+        print(f"{name}\n  {len(instrs)} instructions: {count.most_common(args.top)}")
+        if args.loop:
+            body = hot_loop(instrs)
+            loop = collections.Counter(op.split(".")[0] for _, op, _ in body)
+            print(f"  innermost HMMA loop: {len(body)} instructions: {loop.most_common(args.top)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
