@@ -51,6 +51,15 @@ void set_cache(Params& p, const Tensor& k_data, const Tensor& k_sf, const Tensor
   p.scale_strides = strides_of(k_sf);
 }
 
+// KV mode "hadamard" for the writer and the decode kernel: the flag and format.hadamard_transform's
+// multiplier float32(1/sqrt(D)), rounded from double as Python does.
+template <typename Params>
+void set_rotation(Params& p, c10::string_view rotation, int64_t head_dim) {
+  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
+  p.hadamard = rotation == "hadamard";
+  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
 int log2_exact(int64_t x, const char* name) {
   int l = 0;
   while ((int64_t(1) << l) < x) ++l;
@@ -88,12 +97,9 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.dtype = query_type(key, "key");
   TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;
-  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
-  p.hadamard = rotation == "hadamard";
+  set_rotation(p, rotation, p.head_dim);
   TORCH_CHECK(!p.hadamard || ((p.head_dim & (p.head_dim - 1)) == 0 && p.head_dim <= 512),
               "the hadamard rotation needs a power-of-two head_dim <= 512, got ", p.head_dim);
-  // format.hadamard_transform's multiplier: float32(1/sqrt(D)), rounded from double as Python does
-  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
   TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
@@ -189,9 +195,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.softmax_scale = softmax_scale;
   p.logits_soft_cap = logits_soft_cap;
   p.sliding_window = sliding_window;
-  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
-  p.hadamard = rotation == "hadamard";
-  p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  set_rotation(p, rotation, head_dim);
   p.batch = batch;
   p.num_kv_heads = num_kv_heads;
   p.group_size = group;

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include "e2m1.h"
+#include "half_types.cuh"
 #include "nvfp4_kernels.h"
 
 namespace nvfp4 {
@@ -44,12 +45,7 @@ template <> struct TypeTraits<__half> {
     __half2 h = __float2half2_rn(s * kScaleBias);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  __device__ static uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
   __device__ static void store(__half* dst, float x) { *dst = __float2half_rn(x); }
-  __device__ static float to_float(__half x) { return __half2float(x); }
 };
 template <> struct TypeTraits<__nv_bfloat16> {
   static constexpr int kUnpackShift = 6;            // magnitude bits -> bf16 bits 6..8
@@ -59,12 +55,7 @@ template <> struct TypeTraits<__nv_bfloat16> {
     __nv_bfloat162 h = __float2bfloat162_rn(s * kScaleBias);
     return *reinterpret_cast<uint32_t*>(&h);
   }
-  __device__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
   __device__ static void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
-  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 };
 
 // ------------------------------------------------------------------ PTX wrappers
@@ -227,7 +218,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   if (p.hadamard) {
     for (int idx = threadIdx.x; idx < C::kMaxRows * kHeadDim; idx += kThreads) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
-      q_rot[idx] = row < rows ? TT::to_float(static_cast<const T*>(p.q)[
+      q_rot[idx] = row < rows ? to_float(static_cast<const T*>(p.q)[
                                     (int64_t)(q_start + row / p.group_size) * p.q_stride_token +
                                     (int64_t)(kv_head * p.group_size + row % p.group_size) * p.q_stride_head + d])
                               : 0.f;
@@ -254,7 +245,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element(j);
         if (p.hadamard) {
           const float* r = q_rot + row * kHeadDim;
-          q_frag[t][s][half] = TT::pack(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale);
+          q_frag[t][s][half] = pack2(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale, T());
         } else {
           const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
           q_frag[t][s][half] = lo | (hi << 16);
@@ -434,8 +425,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
           row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
         }
         // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
-        p_frag[t][0] = transpose8x8(TT::pack(p_val[0], p_val[1]));
-        p_frag[t][1] = transpose8x8(TT::pack(p_val[2], p_val[3]));
+        p_frag[t][0] = transpose8x8(pack2(p_val[0], p_val[1], T()));
+        p_frag[t][1] = transpose8x8(pack2(p_val[2], p_val[3], T()));
       }
       // ---- O^T += V^T P^T
       uint32_t vw[4][C::kVChunk / 4];

@@ -15,24 +15,14 @@
 
 namespace nvfp4 {
 
-NVFP4_HOST_DEVICE uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-#endif
-}
-
-NVFP4_HOST_DEVICE float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
+// The bits of a value as another type of the same size (std::bit_cast is C++20; nvcc turns the
+// copy into a register move).
+template <typename To, typename From>
+NVFP4_HOST_DEVICE To bit_cast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+  To y;
+  memcpy(&y, &x, sizeof y);
+  return y;
 }
 
 // The definition: the magnitude code counts the rounding thresholds |q| passes (a tie at 0.25,
@@ -49,8 +39,8 @@ NVFP4_HOST_DEVICE uint32_t e2m1_code_by_thresholds(float q) {
 // from 1 up, the float keeps one mantissa bit (adding 0x1FFFFF plus the kept bit rounds to nearest
 // even), and exponent and that bit are the code, saturated at 7 (6.0).
 NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
-  const uint32_t bits = float_bits(q), abs_bits = bits & 0x7FFFFFFFu;
-  const uint32_t below_one = float_bits(fmaf(bits_float(abs_bits), 2.0f, 8388608.0f)) & 0x3u;
+  const uint32_t bits = bit_cast<uint32_t>(q), abs_bits = bits & 0x7FFFFFFFu;
+  const uint32_t below_one = bit_cast<uint32_t>(fmaf(bit_cast<float>(abs_bits), 2.0f, 8388608.0f)) & 0x3u;
   const uint32_t rounded = abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u);
   const uint32_t from_one = (rounded >> 22) - 252u;
   const uint32_t code = abs_bits < 0x3F800000u ? below_one : (from_one < 7u ? from_one : 7u);
@@ -68,8 +58,8 @@ NVFP4_HOST_DEVICE float e2m1_value(uint32_t code) {
 // the low exponent / top mantissa bits of an fp32 is value * 2^-120, subnormals included.
 NVFP4_HOST_DEVICE float e4m3_value(uint32_t byte) {
   const uint32_t mag = byte & 0x7Fu;
-  float v = bits_float(mag << 20) * 1.329227995784916e36f;  // * 2^120
-  v = (mag == 0x7Fu) ? bits_float(0x7FC00000u) : v;
+  float v = bit_cast<float>(mag << 20) * 1.329227995784916e36f;  // * 2^120
+  v = (mag == 0x7Fu) ? bit_cast<float>(0x7FC00000u) : v;
   return (byte & 0x80u) ? -v : v;
 }
 

@@ -5,21 +5,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "e2m1.h"
+#include "half_types.cuh"
 #include "nvfp4_kernels.h"
 
 namespace nvfp4 {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gather_kv_kernel(const GatherKVParams p) {

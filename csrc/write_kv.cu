@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include "e2m1.h"
+#include "half_types.cuh"
 #include "nvfp4_kernels.h"
 
 namespace nvfp4 {
@@ -20,8 +21,6 @@ namespace {
 constexpr int kBlock = 16;
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 // fp32 -> T -> fp32, round-to-nearest-even: the reference rounds the rotated values to the input dtype
 __device__ __forceinline__ float round_to(float x, __half) { return __half2float(__float2half_rn(x)); }
 __device__ __forceinline__ float round_to(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
