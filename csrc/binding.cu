@@ -94,6 +94,10 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.head_dim = key.size(2);
   p.page_size = k_data.size(1);
   p.num_slots = k_data.size(0) * k_data.size(1);
+  // the kernel's index math is 32-bit: one thread per 16-element block of K or V, and slots
+  TORCH_CHECK(p.num_tokens * int64_t(2) * p.num_kv_heads * (p.head_dim / 16) < (int64_t(1) << 31),
+              "write_kv takes fewer than 2^31 / (2 * kv_heads * head_dim / 16) tokens per call, got ", p.num_tokens);
+  TORCH_CHECK(p.num_slots < (int64_t(1) << 31), "write_kv needs fewer than 2^31 cache slots, got ", p.num_slots);
   p.dtype = query_type(key, "key");
   TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;

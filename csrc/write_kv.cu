@@ -72,26 +72,32 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
     if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
   }
   __syncthreads();
-  const int blocks_per_head = p.head_dim / kBlock;
-  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  // 32-bit index math (the binding keeps thread and slot counts below 2^31): 64-bit divisions
+  // expand to long instruction sequences, and this kernel is bound by its instruction count
+  const uint32_t blocks_per_head = static_cast<uint32_t>(p.head_dim) / kBlock;  // 4, 8 or 16
+  const uint32_t block_bits = 31 - __clz(blocks_per_head);
+  const uint32_t heads = static_cast<uint32_t>(p.num_kv_heads);
+  const uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
   // index order (token, side, head, block): neighbouring threads read neighbouring bytes, and a
   // token-head's blocks sit on neighbouring lanes of one warp
-  const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * blocks_per_head;
-  const bool in_range = idx < total;
-  const int block = idx % blocks_per_head;
-  const int head = (idx / blocks_per_head) % p.num_kv_heads;
-  const int side = (idx / (int64_t(blocks_per_head) * p.num_kv_heads)) % 2;
-  const int64_t token = in_range ? idx / (int64_t(blocks_per_head) * p.num_kv_heads * 2) : 0;
+  const uint32_t per_token = 2u * heads << block_bits;
+  const bool in_range = idx < static_cast<uint32_t>(p.num_tokens) * per_token;
+  const uint32_t token = in_range ? idx / per_token : 0u;
+  const uint32_t side_head = (idx - token * per_token) >> block_bits;  // side * heads + head
+  const int block = static_cast<int>(idx & (blocks_per_head - 1));
+  const int side = side_head >= heads;
+  const int head = static_cast<int>(side ? side_head - heads : side_head);
 
   const int64_t slot = in_range ? p.slot_mapping[token] : -1;
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles
   const bool active = slot >= 0 && slot < p.num_slots;
   if (!active && !p.hadamard) return;
-  const int64_t page = slot / p.page_size, in_page = slot % p.page_size;
+  const uint32_t page = active ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(p.page_size) : 0u;
+  const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
 
   float vals[kBlock];
   if (active) {
-    const T* src = static_cast<const T*>(side ? p.value : p.key) + token * p.kv_stride_token +
+    const T* src = static_cast<const T*>(side ? p.value : p.key) + int64_t(token) * p.kv_stride_token +
                    head * p.kv_stride_head + block * kBlock;
     uint4 raw[2];
     raw[0] = __ldg(reinterpret_cast<const uint4*>(src));
@@ -149,11 +155,11 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
     }
   }
-  uint8_t* data = (side ? p.v_data : p.k_data) + page * p.data_strides.page +
-                  in_page * p.data_strides.token + head * p.data_strides.head + block * (kBlock / 2);
+  uint8_t* data = (side ? p.v_data : p.k_data) + int64_t(page) * p.data_strides.page +
+                  int64_t(in_page) * p.data_strides.token + head * p.data_strides.head + block * (kBlock / 2);
   *reinterpret_cast<uint2*>(data) = make_uint2(choice.packed[0], choice.packed[1]);
-  uint8_t* scales = (side ? p.v_block_scales : p.k_block_scales) + page * p.scale_strides.page +
-                    in_page * p.scale_strides.token + head * p.scale_strides.head;
+  uint8_t* scales = (side ? p.v_block_scales : p.k_block_scales) + int64_t(page) * p.scale_strides.page +
+                    int64_t(in_page) * p.scale_strides.token + head * p.scale_strides.head;
   scales[block] = choice.sf_byte;
 }
 
