@@ -25,6 +25,14 @@ constexpr int kThreads = 256;
 __device__ __forceinline__ float round_to(float x, __half) { return __half2float(__float2half_rn(x)); }
 __device__ __forceinline__ float round_to(float x, __nv_bfloat16) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
+// max that returns NaN when either operand is NaN (fmaxf drops it): the block maximum and the
+// NaN test in one instruction per element
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // The E4M3 scale for a block maximum mapped onto `target`, its value, and the codes.
 struct BlockChoice {
   uint8_t sf_byte;
@@ -59,19 +67,6 @@ __device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], c
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
-  // once per thread block instead of per thread: the divisions 1/scale for every E4M3 byte and
-  // 1/global scale for K and V (the same __fdiv_rn, so the same bits)
-  static_assert(kThreads == 256, "one table entry per thread");
-  __shared__ float inv_scale[256];
-  __shared__ float encode_scale[2];
-  {
-    __nv_fp8_e4m3 sf;
-    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
-    const float value = float(sf);
-    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
-    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
-  }
-  __syncthreads();
   // 32-bit index math (the binding keeps thread and slot counts below 2^31): 64-bit divisions
   // expand to long instruction sequences, and this kernel is bound by its instruction count
   const uint32_t blocks_per_head = static_cast<uint32_t>(p.head_dim) / kBlock;  // 4, 8 or 16
@@ -88,26 +83,43 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
   const int side = side_head >= heads;
   const int head = static_cast<int>(side ? side_head - heads : side_head);
 
+  // Both loads go out before anything waits: every in-range token has a source row, skipped ones
+  // too, so the data load need not wait for the slot (one memory latency instead of two).
   const int64_t slot = in_range ? p.slot_mapping[token] : -1;
-  // the same for all lanes of a token-head; with rotation every lane stays for the shuffles
+  uint4 raw[2] = {};
+  if (in_range) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(side ? p.value : p.key) +
+                                                      int64_t(token) * p.kv_stride_token + head * p.kv_stride_head +
+                                                      block * kBlock);
+    raw[0] = __ldg(src);
+    raw[1] = __ldg(src + 1);
+  }
+  // once per thread block instead of per thread, while the loads are in flight: 1/scale for every
+  // E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same bits)
+  static_assert(kThreads == 256, "one table entry per thread");
+  __shared__ float inv_scale[256];
+  __shared__ float encode_scale[2];
+  {
+    __nv_fp8_e4m3 sf;
+    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
+    const float value = float(sf);
+    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
+    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
+  }
+  __syncthreads();
+
+  // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
+  // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
   if (!active && !p.hadamard) return;
   const uint32_t page = active ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(p.page_size) : 0u;
   const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
 
   float vals[kBlock];
-  if (active) {
-    const T* src = static_cast<const T*>(side ? p.value : p.key) + int64_t(token) * p.kv_stride_token +
-                   head * p.kv_stride_head + block * kBlock;
-    uint4 raw[2];
-    raw[0] = __ldg(reinterpret_cast<const uint4*>(src));
-    raw[1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+  {
     const T* x = reinterpret_cast<const T*>(raw);
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) vals[i] = to_float(x[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) vals[i] = 0.0f;
   }
   if (p.hadamard) {
 #pragma unroll
@@ -135,14 +147,13 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
 
   const float enc = encode_scale[side];
   float scaled[kBlock];
-  float amax = 0.0f;
-  bool has_nan = false;
+  float amax = 0.0f;  // NaN if any scaled value is NaN
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
     scaled[i] = __fmul_rn(vals[i], enc);
-    has_nan |= isnan(scaled[i]);
-    amax = fmaxf(amax, fabsf(scaled[i]));
+    amax = max_nan(amax, fabsf(scaled[i]));
   }
+  const bool has_nan = isnan(amax);
   BlockChoice choice;
   if (has_nan) {
     choice.sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
