@@ -34,17 +34,27 @@ NVFP4_HOST_DEVICE uint32_t e2m1_code_by_thresholds(float q) {
   return code | (std::signbit(q) ? 0x8u : 0u);
 }
 
+// [0, 1] clamp with NaN -> 0: on the device the .sat modifier of the instruction that computes x.
+NVFP4_HOST_DEVICE float saturate(float x) {
+#if defined(__CUDA_ARCH__)
+  return __saturatef(x);
+#else
+  return x > 0.0f ? (x < 1.0f ? x : 1.0f) : 0.0f;
+#endif
+}
+
 // The same codes in fewer instructions, for every q that is not NaN (the writer stores NaN blocks
-// without rounding them): below 1 the code is rint(2|q|), taken from the low bits of 2|q| + 2^23;
-// from 1 up, the float keeps one mantissa bit (adding 0x1FFFFF plus the kept bit rounds to nearest
-// even), and exponent and that bit are the code, saturated at 7 (6.0).
+// without rounding them), all on the FP32 pipe: the grid has step 0.5 below 2, 1 in [2, 4) and 2
+// in [4, 6], so the code is rint(2 min(a, 2)) + rint(clamp(a - 2, 0, 2)) + rint(clamp((a - 4) / 2,
+// 0, 1)) for a = |q|.  Each clamped piece is exact (a scaled by a power of two, minus a value of its
+// binade), and each is added onto 2^23 + an even partial sum whenever it is nonzero, so the
+// hardware's round-to-nearest-even at the integer grid of 2^23 breaks ties as the format does.
 NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
-  const uint32_t bits = bit_cast<uint32_t>(q), abs_bits = bits & 0x7FFFFFFFu;
-  const uint32_t below_one = bit_cast<uint32_t>(fmaf(bit_cast<float>(abs_bits), 2.0f, 8388608.0f)) & 0x3u;
-  const uint32_t rounded = abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u);
-  const uint32_t from_one = (rounded >> 22) - 252u;
-  const uint32_t code = abs_bits < 0x3F800000u ? below_one : (from_one < 7u ? from_one : 7u);
-  return code | ((bits >> 28) & 0x8u);
+  const float a = std::fabs(q);
+  float t = fmaf(saturate(a * 0.5f), 4.0f, 8388608.0f);  // 2^23 + rint(2 min(a, 2))
+  t = fmaf(saturate(fmaf(a, 0.5f, -1.0f)), 2.0f, t);     // + rint(clamp(a - 2, 0, 2))
+  t += saturate(fmaf(a, 0.5f, -2.0f));                    // + rint(clamp((a - 4) / 2, 0, 1))
+  return (bit_cast<uint32_t>(t) & 0x7u) | ((bit_cast<uint32_t>(q) >> 28) & 0x8u);
 }
 
 // Code -> value: twice the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as nibbles of one constant (a
