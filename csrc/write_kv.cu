@@ -71,49 +71,60 @@ __device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], c
   return err;
 }
 
+// The flat thread index -> (token, side, head, block), in that order: neighbouring threads read
+// neighbouring bytes, and a token-head's blocks sit on neighbouring lanes of one warp.  32-bit
+// math (the binding keeps thread and slot counts below 2^31): 64-bit divisions expand to long
+// instruction sequences, and this kernel is bound by its instruction count.
+struct FlatIndex {
+  uint32_t block_bits, heads, per_token, total;
+};
+__device__ __forceinline__ FlatIndex flat_index(const WriteKVParams& p) {
+  FlatIndex ix;
+  ix.block_bits = 31 - __clz(static_cast<uint32_t>(p.head_dim) / kBlock);
+  ix.heads = static_cast<uint32_t>(p.num_kv_heads);
+  ix.per_token = 2u * ix.heads << ix.block_bits;
+  ix.total = static_cast<uint32_t>(p.num_tokens) * ix.per_token;
+  return ix;
+}
+
+// What a thread loads for one 16-element block: the token's slot and the block's source bytes.
+// Every in-range token has a source row, skipped ones too, so the data load need not wait for the
+// slot (one memory latency instead of two).
+struct Fetched {
+  int64_t slot;
+  uint32_t token;
+  uint4 raw[2];
+};
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
-  // 32-bit index math (the binding keeps thread and slot counts below 2^31): 64-bit divisions
-  // expand to long instruction sequences, and this kernel is bound by its instruction count
-  const uint32_t blocks_per_head = static_cast<uint32_t>(p.head_dim) / kBlock;  // 4, 8 or 16
-  const uint32_t block_bits = 31 - __clz(blocks_per_head);
-  const uint32_t heads = static_cast<uint32_t>(p.num_kv_heads);
-  const uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
-  // index order (token, side, head, block): neighbouring threads read neighbouring bytes, and a
-  // token-head's blocks sit on neighbouring lanes of one warp
-  const uint32_t per_token = 2u * heads << block_bits;
-  const bool in_range = idx < static_cast<uint32_t>(p.num_tokens) * per_token;
-  const uint32_t token = in_range ? quotient(idx, per_token) : 0u;
-  const uint32_t side_head = (idx - token * per_token) >> block_bits;  // side * heads + head
-  const int block = static_cast<int>(idx & (blocks_per_head - 1));
-  const int side = side_head >= heads;
-  const int head = static_cast<int>(side ? side_head - heads : side_head);
-
-  // Both loads go out before anything waits: every in-range token has a source row, skipped ones
-  // too, so the data load need not wait for the slot (one memory latency instead of two).
-  const int64_t slot = in_range ? p.slot_mapping[token] : -1;
-  uint4 raw[2] = {};
-  if (in_range) {
+__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx) {
+  Fetched f{-1, 0u, {}};
+  if (idx < ix.total) {
+    f.token = quotient(idx, ix.per_token);
+    const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
+    const bool side = side_head >= ix.heads;
+    const uint32_t head = side ? side_head - ix.heads : side_head, block = idx & ((1u << ix.block_bits) - 1);
+    f.slot = p.slot_mapping[f.token];
     const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(side ? p.value : p.key) +
-                                                      int64_t(token) * p.kv_stride_token + head * p.kv_stride_head +
+                                                      int64_t(f.token) * p.kv_stride_token + head * p.kv_stride_head +
                                                       block * kBlock);
-    raw[0] = __ldg(src);
-    raw[1] = __ldg(src + 1);
+    f.raw[0] = __ldg(src);
+    f.raw[1] = __ldg(src + 1);
   }
-  // once per thread block instead of per thread, while the loads are in flight: 1/scale for every
-  // E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same bits)
-  static_assert(kThreads == 256, "one table entry per thread");
-  __shared__ float inv_scale[256];
-  __shared__ float encode_scale[2];
-  {
-    __nv_fp8_e4m3 sf;
-    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
-    const float value = float(sf);
-    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
-    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
-  }
-  __syncthreads();
+  return f;
+}
 
+// Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
+// of the warp must call it, since the token-head's lanes exchange values.
+template <typename T>
+__device__ __forceinline__ void quantize_block(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx,
+                                               const Fetched& f, const float* inv_scale, const float* encode_scale) {
+  const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
+  const int side = side_head >= ix.heads;
+  const int head = static_cast<int>(side ? side_head - ix.heads : side_head);
+  const int block = static_cast<int>(idx & ((1u << ix.block_bits) - 1));
+  const int blocks_per_head = 1 << ix.block_bits;
+  const int64_t slot = f.slot;
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
@@ -122,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
   const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
 
   float vals[kBlock];
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(raw);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(f.raw);
 #pragma unroll
   for (int i = 0; i < kBlock / 2; ++i) {
     const float2 v = to_float2(pairs[i], T());
@@ -182,17 +193,73 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
   scales[block] = choice.sf_byte;
 }
 
+// A grid of resident blocks strides over the flat index; each thread fetches its next block before
+// it quantizes the current one, so loads overlap the arithmetic (a thread per block left the SMs
+// waiting on each block's loads) and the per-block tables are built once per resident block.
+#ifndef NVFP4_WRITE_MIN_BLOCKS
+#define NVFP4_WRITE_MIN_BLOCKS 1
+#endif
+template <typename T>
+__global__ void __launch_bounds__(kThreads, NVFP4_WRITE_MIN_BLOCKS) write_kv_kernel(const WriteKVParams p) {
+  const FlatIndex ix = flat_index(p);
+  const uint32_t stride = gridDim.x * kThreads;
+  uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
+  Fetched next = fetch<T>(p, ix, idx);
+  // 1/scale for every E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same
+  // bits), built while the first loads are in flight
+  static_assert(kThreads == 256, "one table entry per thread");
+  __shared__ float inv_scale[256];
+  __shared__ float encode_scale[2];
+  {
+    __nv_fp8_e4m3 sf;
+    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
+    const float value = float(sf);
+    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
+    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
+  }
+  __syncthreads();
+  // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
+  for (uint32_t warp_idx = idx & ~31u; warp_idx < ix.total; warp_idx += stride, idx += stride) {
+    const Fetched current = next;
+    next = fetch<T>(p, ix, idx + stride);
+    quantize_block<T>(p, ix, idx, current, inv_scale, encode_scale);
+  }
+}
+
 }  // namespace
+
+// Blocks that fit on the device at once (queried once per kernel and device: the occupancy call
+// costs microseconds).
+template <typename Kernel>
+int resident_blocks(Kernel kernel) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  int per_sm = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  const int blocks = per_sm * sms;
+  if (device < kMaxDevices) cached[device] = blocks;
+  return blocks;
+}
+
+template <typename T>
+cudaError_t launch_typed(const WriteKVParams& p, int64_t total, cudaStream_t stream) {
+  const int resident = resident_blocks(write_kv_kernel<T>);
+  if (resident <= 0) return cudaGetLastError();
+  const int64_t needed = (total + kThreads - 1) / kThreads;
+  write_kv_kernel<T><<<static_cast<unsigned>(needed < resident ? needed : resident), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
   const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * (p.head_dim / kBlock);
   if (total == 0) return cudaSuccess;
-  const dim3 grid((total + kThreads - 1) / kThreads);
-  if (p.dtype == QueryType::kBFloat16)
-    write_kv_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);
-  else
-    write_kv_kernel<__half><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p.dtype == QueryType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, total, stream)
+                                         : launch_typed<__half>(p, total, stream);
 }
 
 }  // namespace nvfp4
