@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-#include "cp_async.cuh"
 #include "e2m1.h"
 #include "half_types.cuh"
 #include "nvfp4_kernels.h"
@@ -88,45 +87,44 @@ __device__ __forceinline__ FlatIndex flat_index(const WriteKVParams& p) {
   return ix;
 }
 
-// Blocks in flight per thread: the copies go straight to shared memory (cp.async), so depth costs no
-// registers.
-constexpr int kStages = 4;
+// What a thread loads for one 16-element block: the token's slot and the block's source bytes.
+// Every in-range token has a source row, skipped ones too, so the data load need not wait for the
+// slot (one memory latency instead of two).
+struct Fetched {
+  int64_t slot;
+  uint32_t token;
+  uint4 raw[2];
+};
 
-// Start the copies of one 16-element block: its token's slot and its 32 source bytes.  Every
-// in-range token has a source row, skipped ones too, so the data copy need not wait for the slot.
-// One commit group per call, empty past the end, so every thread counts the same groups.
 template <typename T>
-__device__ __forceinline__ void fetch_async(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx, uint4* raw_lo,
-                                            uint4* raw_hi, int64_t* slot) {
+__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx) {
+  Fetched f{-1, 0u, {}};
   if (idx < ix.total) {
-    const uint32_t token = quotient(idx, ix.per_token);
-    const uint32_t side_head = (idx - token * ix.per_token) >> ix.block_bits;
+    f.token = quotient(idx, ix.per_token);
+    const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
     const bool side = side_head >= ix.heads;
     const uint32_t head = side ? side_head - ix.heads : side_head, block = idx & ((1u << ix.block_bits) - 1);
+    f.slot = p.slot_mapping[f.token];
     const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(side ? p.value : p.key) +
-                                                      int64_t(token) * p.kv_stride_token + head * p.kv_stride_head +
+                                                      int64_t(f.token) * p.kv_stride_token + head * p.kv_stride_head +
                                                       block * kBlock);
-    cp_async<16>(raw_lo, src, true);
-    cp_async<16>(raw_hi, src + 1, true);
-    cp_async<8>(slot, p.slot_mapping + token, true);
+    f.raw[0] = __ldg(src);
+    f.raw[1] = __ldg(src + 1);
   }
-  cp_async_commit();
+  return f;
 }
 
 // Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
 // of the warp must call it, since the token-head's lanes exchange values.
 template <typename T>
 __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx,
-                                               const uint4* raw_lo, const uint4* raw_hi, const int64_t* slot_ptr,
-                                               const float* inv_scale, const float* encode_scale) {
-  const bool in_range = idx < ix.total;
-  const uint32_t token = in_range ? quotient(idx, ix.per_token) : 0u;
-  const uint32_t side_head = (idx - token * ix.per_token) >> ix.block_bits;
+                                               const Fetched& f, const float* inv_scale, const float* encode_scale) {
+  const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
   const int side = side_head >= ix.heads;
   const int head = static_cast<int>(side ? side_head - ix.heads : side_head);
   const int block = static_cast<int>(idx & ((1u << ix.block_bits) - 1));
   const int blocks_per_head = 1 << ix.block_bits;
-  const int64_t slot = in_range ? *slot_ptr : -1;
+  const int64_t slot = f.slot;
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
@@ -134,11 +132,8 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
   const uint32_t page = active ? quotient(static_cast<uint32_t>(slot), static_cast<uint32_t>(p.page_size)) : 0u;
   const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
 
-  // read only now: a dropped block's buffer is not read at all (lanes past the end rotate zeros)
-  uint4 raw[2] = {};
-  if (in_range) raw[0] = *raw_lo, raw[1] = *raw_hi;
   float vals[kBlock];
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(raw);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(f.raw);
 #pragma unroll
   for (int i = 0; i < kBlock / 2; ++i) {
     const float2 v = to_float2(pairs[i], T());
@@ -198,49 +193,40 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
   scales[block] = choice.sf_byte;
 }
 
-// A grid of resident blocks strides over the flat index.  Each thread keeps kStages - 1 blocks'
-// copies in flight while it quantizes one (one block per thread left the SMs waiting on each
-// block's loads), and the per-block tables are built once per resident block.  A thread reads only
-// the stage entries it copied itself, so the pipeline needs no barrier.
+// A grid of resident blocks strides over the flat index; each thread fetches its next block before
+// it quantizes the current one, so loads overlap the arithmetic (a thread per block left the SMs
+// waiting on each block's loads) and the per-block tables are built once per resident block.
+#ifndef NVFP4_WRITE_MIN_BLOCKS
+#define NVFP4_WRITE_MIN_BLOCKS 1
+#endif
 template <typename T>
-__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
+__global__ void __launch_bounds__(kThreads, NVFP4_WRITE_MIN_BLOCKS) write_kv_kernel(const WriteKVParams p) {
   const FlatIndex ix = flat_index(p);
   const uint32_t stride = gridDim.x * kThreads;
-  const int tid = threadIdx.x;
-  uint32_t idx = blockIdx.x * kThreads + tid;
-  // [stage][half][thread]: a warp's 16-byte reads of one half are contiguous
-  __shared__ uint4 stage_raw[kStages][2][kThreads];
-  __shared__ int64_t stage_slot[kStages][kThreads];
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s)
-    fetch_async<T>(p, ix, idx + s * stride, &stage_raw[s][0][tid], &stage_raw[s][1][tid], &stage_slot[s][tid]);
+  uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
+  Fetched next = fetch<T>(p, ix, idx);
   // 1/scale for every E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same
-  // bits), built while the first copies are in flight
+  // bits), built while the first loads are in flight
   static_assert(kThreads == 256, "one table entry per thread");
   __shared__ float inv_scale[256];
   __shared__ float encode_scale[2];
   {
     __nv_fp8_e4m3 sf;
-    sf.__x = static_cast<__nv_fp8_storage_t>(tid);
+    sf.__x = static_cast<__nv_fp8_storage_t>(threadIdx.x);
     const float value = float(sf);
-    inv_scale[tid] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
-    if (tid < 2) encode_scale[tid] = __fdiv_rn(1.0f, __ldg(tid ? p.v_global_scale : p.k_global_scale));
+    inv_scale[threadIdx.x] = value > 0.0f ? __fdiv_rn(1.0f, value) : 0.0f;
+    if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
   }
   __syncthreads();
-  int stage = 0;
   // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
   for (uint32_t warp_idx = idx & ~31u; warp_idx < ix.total; warp_idx += stride, idx += stride) {
-    // the stage refilled here was quantized in the previous iteration, from registers
-    const int ahead = stage == 0 ? kStages - 1 : stage - 1;
-    fetch_async<T>(p, ix, idx + (kStages - 1) * stride, &stage_raw[ahead][0][tid], &stage_raw[ahead][1][tid],
-                   &stage_slot[ahead][tid]);
-    cp_async_wait<kStages - 1>();  // this thread's copies for `idx` have landed
-    quantize_block<T>(p, ix, idx, &stage_raw[stage][0][tid], &stage_raw[stage][1][tid], &stage_slot[stage][tid],
-                      inv_scale, encode_scale);
-    stage = stage == kStages - 1 ? 0 : stage + 1;
+    const Fetched current = next;
+    next = fetch<T>(p, ix, idx + stride);
+    quantize_block<T>(p, ix, idx, current, inv_scale, encode_scale);
   }
-  cp_async_wait<0>();  // no copy may outlive the block
 }
+
+}  // namespace
 
 // Blocks that fit on the device at once (queried once per kernel and device: the occupancy call
 // costs microseconds).
@@ -268,8 +254,6 @@ cudaError_t launch_typed(const WriteKVParams& p, int64_t total, cudaStream_t str
   write_kv_kernel<T><<<static_cast<unsigned>(needed < resident ? needed : resident), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
-
-}  // namespace
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
   const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * (p.head_dim / kBlock);
