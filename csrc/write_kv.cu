@@ -196,11 +196,8 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
 // A grid of resident blocks strides over the flat index; each thread fetches its next block before
 // it quantizes the current one, so loads overlap the arithmetic (a thread per block left the SMs
 // waiting on each block's loads) and the per-block tables are built once per resident block.
-#ifndef NVFP4_WRITE_MIN_BLOCKS
-#define NVFP4_WRITE_MIN_BLOCKS 1
-#endif
 template <typename T>
-__global__ void __launch_bounds__(kThreads, NVFP4_WRITE_MIN_BLOCKS) write_kv_kernel(const WriteKVParams p) {
+__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
   const FlatIndex ix = flat_index(p);
   const uint32_t stride = gridDim.x * kThreads;
   uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
@@ -219,6 +216,11 @@ __global__ void __launch_bounds__(kThreads, NVFP4_WRITE_MIN_BLOCKS) write_kv_ker
   }
   __syncthreads();
   // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
+#ifndef NVFP4_WRITE_UNROLL
+#define NVFP4_WRITE_UNROLL 1
+#endif
+  constexpr int kUnroll = NVFP4_WRITE_UNROLL;  // experiment knob
+#pragma unroll kUnroll
   for (uint32_t warp_idx = idx & ~31u; warp_idx < ix.total; warp_idx += stride, idx += stride) {
     const Fetched current = next;
     next = fetch<T>(p, ix, idx + stride);
