@@ -116,7 +116,7 @@ __device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const FlatIndex
 
 // Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
 // of the warp must call it, since the token-head's lanes exchange values.
-template <typename T>
+template <typename T, bool kRotate, bool kSixOrFour>
 __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx,
                                                const Fetched& f, const float* inv_scale, const float* encode_scale) {
   const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
-  if (!active && !p.hadamard) return;
+  if (!active && !kRotate) return;
   const uint32_t page = active ? quotient(static_cast<uint32_t>(slot), static_cast<uint32_t>(p.page_size)) : 0u;
   const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
 
@@ -140,7 +140,7 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
     vals[2 * i] = v.x;
     vals[2 * i + 1] = v.y;
   }
-  if (p.hadamard) {
+  if constexpr (kRotate) {
 #pragma unroll
     for (int h = 1; h < kBlock; h *= 2) {
 #pragma unroll
@@ -179,7 +179,7 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
     choice.packed[0] = choice.packed[1] = 0u;
   } else {
     choice = encode_block(scaled, amax, 6.0f, inv_scale);
-    if (p.scale_rule == ScaleRule::kSixOrFour) {
+    if constexpr (kSixOrFour) {
       // the maximum-of-4 scale wins only when strictly better: a tie keeps the standard scale
       const BlockChoice four = encode_block(scaled, amax, 4.0f, inv_scale);
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
@@ -196,7 +196,8 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
 // A grid of resident blocks strides over the flat index; each thread fetches its next block before
 // it quantizes the current one, so loads overlap the arithmetic (a thread per block left the SMs
 // waiting on each block's loads) and the per-block tables are built once per resident block.
-template <typename T>
+// kRotate: KV mode "hadamard" (p.hadamard); kSixOrFour: scale rule "6or4" (p.scale_rule).
+template <typename T, bool kRotate, bool kSixOrFour>
 __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
   const FlatIndex ix = flat_index(p);
   const uint32_t stride = gridDim.x * kThreads;
@@ -216,15 +217,10 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
   }
   __syncthreads();
   // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
-#ifndef NVFP4_WRITE_UNROLL
-#define NVFP4_WRITE_UNROLL 1
-#endif
-  constexpr int kUnroll = NVFP4_WRITE_UNROLL;  // experiment knob
-#pragma unroll kUnroll
   for (uint32_t warp_idx = idx & ~31u; warp_idx < ix.total; warp_idx += stride, idx += stride) {
     const Fetched current = next;
     next = fetch<T>(p, ix, idx + stride);
-    quantize_block<T>(p, ix, idx, current, inv_scale, encode_scale);
+    quantize_block<T, kRotate, kSixOrFour>(p, ix, idx, current, inv_scale, encode_scale);
   }
 }
 
@@ -248,20 +244,31 @@ int resident_blocks(Kernel kernel) {
   return blocks;
 }
 
-template <typename T>
+template <typename T, bool kRotate, bool kSixOrFour>
 cudaError_t launch_typed(const WriteKVParams& p, int64_t total, cudaStream_t stream) {
-  const int resident = resident_blocks(write_kv_kernel<T>);
+  const auto kernel = write_kv_kernel<T, kRotate, kSixOrFour>;
+  const int resident = resident_blocks(kernel);
   if (resident <= 0) return cudaGetLastError();
   const int64_t needed = (total + kThreads - 1) / kThreads;
-  write_kv_kernel<T><<<static_cast<unsigned>(needed < resident ? needed : resident), kThreads, 0, stream>>>(p);
+  kernel<<<static_cast<unsigned>(needed < resident ? needed : resident), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+// One kernel per (dtype, rotation, scale rule): the plain kernel then holds fewer registers than one
+// that carries the other modes' code, so more blocks are resident.
+template <typename T>
+cudaError_t launch_modes(const WriteKVParams& p, int64_t total, cudaStream_t stream) {
+  const bool six_or_four = p.scale_rule == ScaleRule::kSixOrFour;
+  if (p.hadamard)
+    return six_or_four ? launch_typed<T, true, true>(p, total, stream) : launch_typed<T, true, false>(p, total, stream);
+  return six_or_four ? launch_typed<T, false, true>(p, total, stream) : launch_typed<T, false, false>(p, total, stream);
 }
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
   const int64_t total = int64_t(p.num_tokens) * 2 * p.num_kv_heads * (p.head_dim / kBlock);
   if (total == 0) return cudaSuccess;
-  return p.dtype == QueryType::kBFloat16 ? launch_typed<__nv_bfloat16>(p, total, stream)
-                                         : launch_typed<__half>(p, total, stream);
+  return p.dtype == QueryType::kBFloat16 ? launch_modes<__nv_bfloat16>(p, total, stream)
+                                         : launch_modes<__half>(p, total, stream);
 }
 
 }  // namespace nvfp4
