@@ -44,13 +44,26 @@ def _scales(gen, n=2):
 def test_write_kv_bit_exact(layout, head_dim, dtype, scale_rule, rotation, gen):
     """The CUDA writer == the CPU reference, bit for bit; with rotation the kernel's in-register
     Walsh-Hadamard transform == fmt.hadamard_transform (through the op's CPU implementation)."""
+    _check_writer(layout, head_dim, dtype, scale_rule, rotation, gen, heads=4, page_size=16)
+
+
+@pytest.mark.parametrize("layout", ["HND", "token_rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_rule", fmt.SCALE_RULES)
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_write_kv_bit_exact_odd_shapes(layout, dtype, scale_rule, rotation, gen):
+    """3 kv heads and pages of 12: the writer's token and page divisions that are not shifts."""
+    _check_writer(layout, 128, dtype, scale_rule, rotation, gen, heads=3, page_size=12)
+
+
+def _check_writer(layout, head_dim, dtype, scale_rule, rotation, gen, heads, page_size):
     assert jit.kernels_available(torch.device(DEV))
-    page_size, heads, pages, tokens = 16, 4, 40, 300
+    pages, tokens = 40 * 16 // page_size, 300
     x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
     x[0, 5, 1, 3] = 3000.0          # beyond 6 * 448 * g: saturates
     x[1, 7, 0, :16] = 1e-4          # tiny block: subnormal E4M3 scale
     x[0, 9, 2, 20] = float("inf")
-    x[1, 11, 3, 40] = float("nan")  # NaN block -> scale 0x7F
+    x[1, 11, heads - 1, 40] = float("nan")  # NaN block -> scale 0x7F
     key, value = x[0].to(dtype).to(DEV), x[1].to(dtype).to(DEV)
     slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
     slots[::17] = -1                # padding
