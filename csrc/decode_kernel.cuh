@@ -174,13 +174,8 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 }
 
 // ------------------------------------------------------------------ the kernel
-#ifdef NVFP4_DECODE_WIDE_MIN_BLOCKS  // experiment: resident blocks asked of the kernels with 2 row tiles
-#define NVFP4_DECODE_BOUNDS __launch_bounds__(kThreads, kRowTiles > 1 ? NVFP4_DECODE_WIDE_MIN_BLOCKS : 5)
-#else
-#define NVFP4_DECODE_BOUNDS __launch_bounds__(kThreads)
-#endif
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void NVFP4_DECODE_BOUNDS
+__global__ void __launch_bounds__(kThreads)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   using TT = TypeTraits<T>;
