@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <utility>
 #include "e2m1.h"
 #include "half_types.cuh"
 #include "nvfp4_kernels.h"
@@ -71,60 +72,41 @@ __device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], c
   return err;
 }
 
-// The flat thread index -> (token, side, head, block), in that order: neighbouring threads read
-// neighbouring bytes, and a token-head's blocks sit on neighbouring lanes of one warp.  32-bit
-// math (the binding keeps thread and slot counts below 2^31): 64-bit divisions expand to long
-// instruction sequences, and this kernel is bound by its instruction count.
-struct FlatIndex {
-  uint32_t block_bits, heads, per_token, total;
-};
-__device__ __forceinline__ FlatIndex flat_index(const WriteKVParams& p) {
-  FlatIndex ix;
-  ix.block_bits = 31 - __clz(static_cast<uint32_t>(p.head_dim) / kBlock);
-  ix.heads = static_cast<uint32_t>(p.num_kv_heads);
-  ix.per_token = 2u * ix.heads << ix.block_bits;
-  ix.total = static_cast<uint32_t>(p.num_tokens) * ix.per_token;
-  return ix;
-}
-
 // What a thread loads for one 16-element block: the token's slot and the block's source bytes.
 // Every in-range token has a source row, skipped ones too, so the data load need not wait for the
 // slot (one memory latency instead of two).
 struct Fetched {
   int64_t slot;
-  uint32_t token;
   uint4 raw[2];
 };
 
 template <typename T>
-__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx) {
-  Fetched f{-1, 0u, {}};
-  if (idx < ix.total) {
-    f.token = quotient(idx, ix.per_token);
-    const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
-    const bool side = side_head >= ix.heads;
-    const uint32_t head = side ? side_head - ix.heads : side_head, block = idx & ((1u << ix.block_bits) - 1);
-    f.slot = p.slot_mapping[f.token];
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(side ? p.value : p.key) +
-                                                      int64_t(f.token) * p.kv_stride_token + head * p.kv_stride_head +
-                                                      block * kBlock);
+__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const T* column_src, uint32_t token) {
+  Fetched f{-1, {}};
+  if (token < static_cast<uint32_t>(p.num_tokens)) {
+    f.slot = p.slot_mapping[token];
+    const uint4* src = reinterpret_cast<const uint4*>(column_src + int64_t(token) * p.kv_stride_token);
     f.raw[0] = __ldg(src);
     f.raw[1] = __ldg(src + 1);
   }
   return f;
 }
 
+// A thread's column: the (side, head, block) part of the flat index (token, side, head, block),
+// which stays fixed while the thread steps through tokens.
+struct Column {
+  uint8_t* data;    // the block's bytes in page 0, slot 0
+  uint8_t* scales;  // its scale byte there
+  int block, blocks_per_head;
+};
+
 // Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
 // of the warp must call it, since the token-head's lanes exchange values.
 template <typename T, bool kRotate, bool kSixOrFour>
-__device__ __forceinline__ void quantize_block(const WriteKVParams& p, const FlatIndex& ix, uint32_t idx,
-                                               const Fetched& f, const float* inv_scale, const float* encode_scale) {
-  const uint32_t side_head = (idx - f.token * ix.per_token) >> ix.block_bits;
-  const int side = side_head >= ix.heads;
-  const int head = static_cast<int>(side ? side_head - ix.heads : side_head);
-  const int block = static_cast<int>(idx & ((1u << ix.block_bits) - 1));
-  const int blocks_per_head = 1 << ix.block_bits;
-  const int64_t slot = f.slot;
+__device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Column& col, bool in_range,
+                                               const Fetched& f, const float* inv_scale, float enc) {
+  const int block = col.block, blocks_per_head = col.blocks_per_head;
+  const int64_t slot = in_range ? f.slot : -1;
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
@@ -164,7 +146,6 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
     if (!active) return;
   }
 
-  const float enc = encode_scale[side];
   float scaled[kBlock];
   float amax = 0.0f;  // NaN if any scaled value is NaN
 #pragma unroll
@@ -185,24 +166,36 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Fla
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
     }
   }
-  uint8_t* data = (side ? p.v_data : p.k_data) + int64_t(page) * p.data_strides.page +
-                  int64_t(in_page) * p.data_strides.token + head * p.data_strides.head + block * (kBlock / 2);
-  *reinterpret_cast<uint2*>(data) = make_uint2(choice.packed[0], choice.packed[1]);
-  uint8_t* scales = (side ? p.v_block_scales : p.k_block_scales) + int64_t(page) * p.scale_strides.page +
-                    int64_t(in_page) * p.scale_strides.token + head * p.scale_strides.head;
-  scales[block] = choice.sf_byte;
+  *reinterpret_cast<uint2*>(col.data + int64_t(page) * p.data_strides.page + int64_t(in_page) * p.data_strides.token) =
+      make_uint2(choice.packed[0], choice.packed[1]);
+  col.scales[int64_t(page) * p.scale_strides.page + int64_t(in_page) * p.scale_strides.token] = choice.sf_byte;
 }
 
-// A grid of resident blocks strides over the flat index; each thread fetches its next block before
-// it quantizes the current one, so loads overlap the arithmetic (a thread per block left the SMs
-// waiting on each block's loads) and the per-block tables are built once per resident block.
+// A grid of resident blocks strides over the flat index (token, side, head, block): neighbouring
+// threads read neighbouring bytes, and a token-head's blocks sit on neighbouring lanes of one warp.
+// The stride is a multiple of the count per token (the launch sees to it), so a thread keeps its
+// (side, head, block) and steps through tokens; it loads its next block while it quantizes the
+// current one, and the per-block tables are built once per resident block.  32-bit index math (the
+// binding keeps thread and slot counts below 2^31): this kernel is bound by its instruction count.
 // kRotate: KV mode "hadamard" (p.hadamard); kSixOrFour: scale rule "6or4" (p.scale_rule).
 template <typename T, bool kRotate, bool kSixOrFour>
-__global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams p) {
-  const FlatIndex ix = flat_index(p);
-  const uint32_t stride = gridDim.x * kThreads;
-  uint32_t idx = blockIdx.x * kThreads + threadIdx.x;
-  Fetched next = fetch<T>(p, ix, idx);
+__global__ void __launch_bounds__(kThreads, kSixOrFour ? 3 : 4) write_kv_kernel(const WriteKVParams p) {
+  const uint32_t block_bits = 31 - __clz(static_cast<uint32_t>(p.head_dim) / kBlock);
+  const uint32_t heads = static_cast<uint32_t>(p.num_kv_heads), per_token = 2u * heads << block_bits;
+  const uint32_t total = static_cast<uint32_t>(p.num_tokens) * per_token, stride = gridDim.x * kThreads;
+  const uint32_t first = blockIdx.x * kThreads + threadIdx.x;
+  uint32_t token = quotient(first, per_token);
+  const uint32_t token_step = quotient(stride, per_token);  // exact whenever a thread takes a second step
+  const uint32_t side_head = (first - token * per_token) >> block_bits;
+  const bool side = side_head >= heads;
+  const uint32_t head = side ? side_head - heads : side_head;
+  Column col;
+  col.block = static_cast<int>(first & ((1u << block_bits) - 1));
+  col.blocks_per_head = 1 << block_bits;
+  col.data = (side ? p.v_data : p.k_data) + head * p.data_strides.head + col.block * (kBlock / 2);
+  col.scales = (side ? p.v_block_scales : p.k_block_scales) + head * p.scale_strides.head + col.block;
+  const T* src = static_cast<const T*>(side ? p.value : p.key) + head * p.kv_stride_head + col.block * kBlock;
+  Fetched next = fetch<T>(p, src, token);
   // 1/scale for every E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same
   // bits), built while the first loads are in flight
   static_assert(kThreads == 256, "one table entry per thread");
@@ -216,11 +209,13 @@ __global__ void __launch_bounds__(kThreads) write_kv_kernel(const WriteKVParams 
     if (threadIdx.x < 2) encode_scale[threadIdx.x] = __fdiv_rn(1.0f, __ldg(threadIdx.x ? p.v_global_scale : p.k_global_scale));
   }
   __syncthreads();
+  const float enc = encode_scale[side];
   // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
-  for (uint32_t warp_idx = idx & ~31u; warp_idx < ix.total; warp_idx += stride, idx += stride) {
+  for (uint32_t warp_first = first & ~31u; warp_first < total; warp_first += stride, token += token_step) {
     const Fetched current = next;
-    next = fetch<T>(p, ix, idx + stride);
-    quantize_block<T, kRotate, kSixOrFour>(p, ix, idx, current, inv_scale, encode_scale);
+    next = fetch<T>(p, src, token + token_step);
+    quantize_block<T, kRotate, kSixOrFour>(p, col, token < static_cast<uint32_t>(p.num_tokens), current, inv_scale,
+                                           enc);
   }
 }
 
@@ -250,7 +245,17 @@ cudaError_t launch_typed(const WriteKVParams& p, int64_t total, cudaStream_t str
   const int resident = resident_blocks(kernel);
   if (resident <= 0) return cudaGetLastError();
   const int64_t needed = (total + kThreads - 1) / kThreads;
-  kernel<<<static_cast<unsigned>(needed < resident ? needed : resident), kThreads, 0, stream>>>(p);
+  int64_t grid = needed;
+  if (needed > resident) {
+    // a multiple of per_token / gcd(per_token, kThreads) blocks: the stride is then a whole number
+    // of tokens (the kernel keeps each thread's side, head and block)
+    const int64_t per_token = total / p.num_tokens;
+    int64_t g = per_token, k = kThreads;
+    while (k) g = std::exchange(k, g % k);
+    const int64_t multiple = per_token / g;
+    grid = resident >= multiple ? resident / multiple * multiple : multiple;
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

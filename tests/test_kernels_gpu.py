@@ -56,9 +56,19 @@ def test_write_kv_bit_exact_odd_shapes(layout, dtype, scale_rule, rotation, gen)
     _check_writer(layout, 128, dtype, scale_rule, rotation, gen, heads=3, page_size=12)
 
 
-def _check_writer(layout, head_dim, dtype, scale_rule, rotation, gen, heads, page_size):
+@pytest.mark.parametrize("heads,page_size", [(8, 16), (3, 12)])
+@pytest.mark.parametrize("scale_rule", fmt.SCALE_RULES)
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_write_kv_bit_exact_many_tokens(heads, page_size, scale_rule, rotation, gen):
+    """Enough tokens that every thread of the writer's resident grid takes several steps (the grid
+    is a whole number of tokens wide, also for 3 heads' 48 blocks per token)."""
+    _check_writer("HND", 128, torch.bfloat16, scale_rule, rotation, gen, heads=heads, page_size=page_size,
+                  tokens=20000)
+
+
+def _check_writer(layout, head_dim, dtype, scale_rule, rotation, gen, heads, page_size, tokens=300):
     assert jit.kernels_available(torch.device(DEV))
-    pages, tokens = 40 * 16 // page_size, 300
+    pages = -(-max(640, 2 * tokens) // page_size)
     x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
     x[0, 5, 1, 3] = 3000.0          # beyond 6 * 448 * g: saturates
     x[1, 7, 0, :16] = 1e-4          # tiny block: subnormal E4M3 scale
