@@ -80,6 +80,16 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
               "key/value must be [tokens, heads, head_dim], 16-byte aligned, strides multiples of 8");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 tensor");
+  // the kernel keeps a token-head's 16-element blocks on a power-of-two number of lanes, and its
+  // index math is 32-bit: one thread per block of K or V, and slots (checked before narrowing)
+  const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+              "write_kv's CUDA kernel takes head_dim 64, 128 or 256, got ", head_dim);
+  TORCH_CHECK(tokens * 2 * heads * (head_dim / 16) < (int64_t(1) << 31),
+              "write_kv takes fewer than 2^31 / (2 * kv_heads * head_dim / 16) tokens per call, got ", tokens,
+              " tokens of ", heads, " heads");
+  TORCH_CHECK(k_data.size(0) * k_data.size(1) < (int64_t(1) << 31), "write_kv needs fewer than 2^31 cache slots, got ",
+              k_data.size(0) * k_data.size(1));
   nvfp4::WriteKVParams p{};
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -89,15 +99,11 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   set_cache(p, k_data, k_sf, v_data, v_sf);
   p.k_global_scale = k_global.data_ptr<float>();
   p.v_global_scale = v_global.data_ptr<float>();
-  p.num_tokens = key.size(0);
-  p.num_kv_heads = key.size(1);
-  p.head_dim = key.size(2);
+  p.num_tokens = static_cast<int>(tokens);
+  p.num_kv_heads = static_cast<int>(heads);
+  p.head_dim = static_cast<int>(head_dim);
   p.page_size = k_data.size(1);
   p.num_slots = k_data.size(0) * k_data.size(1);
-  // the kernel's index math is 32-bit: one thread per 16-element block of K or V, and slots
-  TORCH_CHECK(p.num_tokens * int64_t(2) * p.num_kv_heads * (p.head_dim / 16) < (int64_t(1) << 31),
-              "write_kv takes fewer than 2^31 / (2 * kv_heads * head_dim / 16) tokens per call, got ", p.num_tokens);
-  TORCH_CHECK(p.num_slots < (int64_t(1) << 31), "write_kv needs fewer than 2^31 cache slots, got ", p.num_slots);
   p.dtype = query_type(key, "key");
   TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;

@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(kThreads, kSixOrFour ? 3 : 4) write_kv_kernel(
 
 }  // namespace
 
-// Blocks that fit on the device at once (queried once per kernel and device: the occupancy call
-// costs microseconds).
+// Blocks that fit on the device at once, 0 if unknown (queried once per kernel and device: the
+// occupancy call costs microseconds).
 template <typename Kernel>
 int resident_blocks(Kernel kernel) {
   constexpr int kMaxDevices = 64;
@@ -232,8 +232,10 @@ int resident_blocks(Kernel kernel) {
   if (device < kMaxDevices && cached[device] > 0) return cached[device];
   int per_sm = 0, sms = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // the launch reports its own errors, not this query's
     return 0;
+  }
   const int blocks = per_sm * sms;
   if (device < kMaxDevices) cached[device] = blocks;
   return blocks;
@@ -242,19 +244,15 @@ int resident_blocks(Kernel kernel) {
 template <typename T, bool kRotate, bool kSixOrFour>
 cudaError_t launch_typed(const WriteKVParams& p, int64_t total, cudaStream_t stream) {
   const auto kernel = write_kv_kernel<T, kRotate, kSixOrFour>;
-  const int resident = resident_blocks(kernel);
-  if (resident <= 0) return cudaGetLastError();
   const int64_t needed = (total + kThreads - 1) / kThreads;
-  int64_t grid = needed;
-  if (needed > resident) {
-    // a multiple of per_token / gcd(per_token, kThreads) blocks: the stride is then a whole number
-    // of tokens (the kernel keeps each thread's side, head and block)
-    const int64_t per_token = total / p.num_tokens;
-    int64_t g = per_token, k = kThreads;
-    while (k) g = std::exchange(k, g % k);
-    const int64_t multiple = per_token / g;
-    grid = resident >= multiple ? resident / multiple * multiple : multiple;
-  }
+  // one step per thread (always correct) unless the resident blocks hold a multiple of
+  // per_token / gcd(per_token, kThreads) blocks: a stride of a whole number of tokens (the kernel
+  // keeps each thread's side, head and block)
+  const int64_t resident = resident_blocks(kernel), per_token = total / p.num_tokens;
+  int64_t g = per_token, k = kThreads;
+  while (k) g = std::exchange(k, g % k);
+  const int64_t multiple = per_token / g;
+  const int64_t grid = needed > resident && resident >= multiple ? resident / multiple * multiple : needed;
   kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
