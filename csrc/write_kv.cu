@@ -1,5 +1,6 @@
-// Quantize-on-write.  One thread per 16-element block of one token-head of K or V: it reads
-// 32 contiguous bytes, computes the block scale and the 16 codes, and writes 8 + 1 bytes.
+// Quantize-on-write.  A thread owns one 16-element block of one kv head of K or V and steps
+// through tokens: per token it reads 32 contiguous bytes, computes the block scale and the 16
+// codes, and writes 8 + 1 bytes.
 // Scale rule "6or4" (format.SCALE_RULES) also encodes the block with its maximum mapped to 4 and
 // keeps whichever has the smaller squared error.  KV mode "hadamard" first rotates each token-head
 // by the fast Walsh-Hadamard transform of format.hadamard_transform: butterflies within a thread's
