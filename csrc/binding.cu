@@ -108,8 +108,6 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;
   set_rotation(p, rotation, p.head_dim);
-  TORCH_CHECK(!p.hadamard || ((p.head_dim & (p.head_dim - 1)) == 0 && p.head_dim <= 512),
-              "the hadamard rotation needs a power-of-two head_dim <= 512, got ", p.head_dim);
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
   TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }

@@ -104,10 +104,10 @@ struct Column {
 // Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
 // of the warp must call it, since the token-head's lanes exchange values.
 template <typename T, bool kRotate, bool kSixOrFour>
-__device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Column& col, bool in_range,
-                                               const Fetched& f, const float* inv_scale, float enc) {
+__device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Column& col, const Fetched& f,
+                                               const float* inv_scale, float enc) {
   const int block = col.block, blocks_per_head = col.blocks_per_head;
-  const int64_t slot = in_range ? f.slot : -1;
+  const int64_t slot = f.slot;  // -1 past the last token: fetch did not load it
   // the same for all lanes of a token-head; with rotation every lane stays for the shuffles (a
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
@@ -215,8 +215,7 @@ __global__ void __launch_bounds__(kThreads, kSixOrFour ? 3 : 4) write_kv_kernel(
   for (uint32_t warp_first = first & ~31u; warp_first < total; warp_first += stride, token += token_step) {
     const Fetched current = next;
     next = fetch<T>(p, src, token + token_step);
-    quantize_block<T, kRotate, kSixOrFour>(p, col, token < static_cast<uint32_t>(p.num_tokens), current, inv_scale,
-                                           enc);
+    quantize_block<T, kRotate, kSixOrFour>(p, col, current, inv_scale, enc);
   }
 }
 
