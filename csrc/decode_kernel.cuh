@@ -145,7 +145,14 @@ struct Config {
   // E4M3 byte -> packed {scale, scale} * TypeTraits::kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
   static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kLutOffset + 256 * 4;
+  // kernels with two row tiles and up to two row warps keep the Q^T operands in shared memory, one
+  // copy per row warp ([row warp][tile][k-step][lane] x 8 bytes), instead of 16 registers per row
+  // tile per thread: their registers otherwise allow 3 resident blocks per SM (the 64-row kernel
+  // is held to 3 by its registers and shared memory either way)
+  static constexpr bool kQInSmem = kRowTiles > 1 && kRowWarps <= 2;
+  static constexpr int kQOffset = kLutOffset + 256 * 4;
+  static constexpr int kQBytes = kQInSmem ? kRowWarps * kRowTiles * kKSteps * 32 * 8 : 0;
+  static constexpr int kSmemBytes = kQOffset + kQBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
@@ -174,8 +181,10 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 }
 
 // ------------------------------------------------------------------ the kernel
+// Two row tiles and up to two row warps: 4 resident blocks per SM (127 registers, the Q operands
+// in shared memory); 0 leaves the other kernels to the compiler (the 1-row-tile kernel's 93).
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   using TT = TypeTraits<T>;
@@ -256,6 +265,17 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int i = 0; i < 2; ++i) {
       const int r = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
       row_pos[t][i] = r < rows ? seq_len - q_len + r / p.group_size : -1;
+    }
+  }
+
+  // the row warp's operands, stored by its first token warp; read after the pipeline's first barrier
+  uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + row_warp * kRowTiles * C::kKSteps * 32;
+  if constexpr (C::kQInSmem) {
+    if (token_warp == 0) {
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t)
+#pragma unroll
+        for (int s = 0; s < C::kKSteps; ++s) q_smem[(t * C::kKSteps + s) * 32 + lane] = make_uint2(q_frag[t][s][0], q_frag[t][s][1]);
     }
   }
 
@@ -360,7 +380,14 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
             const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
                                    mul2<T>(pb[2 * h + 1], sb)};
 #pragma unroll
-            for (int t = 0; t < kRowTiles; ++t) mma<T>(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+            for (int t = 0; t < kRowTiles; ++t) {
+              if constexpr (C::kQInSmem) {
+                const uint2 b = q_smem[(t * C::kKSteps + s) * 32 + lane];
+                mma<T>(s_acc[t], a, b.x, b.y);
+              } else {
+                mma<T>(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+              }
+            }
           }
         }
       }

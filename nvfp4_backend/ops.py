@@ -157,8 +157,9 @@ SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4
 """Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
-one row tile); wider blocks hold more registers, so half as many.  The count is rounded down: the
-splits never spill a partial extra wave past that many blocks per SM."""
+one row tile), and up to 16 at head dims <= 128 (two row tiles, Q operands in shared memory, 4
+blocks resident); other wide blocks hold more registers, so half as many.  The count is rounded
+down: the splits never spill a partial extra wave past that many blocks per SM."""
 
 
 def num_sms(device) -> int:
@@ -180,7 +181,8 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     blocks = max(batch_size * num_kv_heads, 1)
-    per_sm = SPLIT_BLOCKS_PER_SM if rows <= 8 else max(1, SPLIT_BLOCKS_PER_SM // 2)
+    full = rows <= 8 or (rows <= 16 and head_dim <= 128)
+    per_sm = SPLIT_BLOCKS_PER_SM if full else max(1, SPLIT_BLOCKS_PER_SM // 2)
     splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0)
