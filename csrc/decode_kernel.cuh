@@ -8,13 +8,13 @@
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
 //    into shared memory; page indices are prefetched one stage ahead.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
-//    O^T = V^T P^T, both mma.sync m16n8k16 with fp32 accumulation (SM80..SM120).  The S^T
-//    accumulator is turned into the P^T operand with movmatrix.trans, no shared memory.
-//  * dequantization in registers: a nibble's magnitude bits are placed in the exponent/mantissa
-//    of an fp16/bf16 (value * 2^-14 or 2^-126, exact, subnormal for codes 0 and 0.5), then one
-//    packed multiply by (block scale * 2^7 or 2^119) gives value * scale * 2^-7 EXACTLY (at most
-//    6 significant bits, in the normal range).  The 2^7 and the global scales fold into the fp32
-//    softmax scale and output scale.
+//    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
+//    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
+//    movmatrix.trans, no shared memory.
+//  * dequantization in registers: each E2M1 code becomes an fp16 high byte (value * 2^-14, exact,
+//    subnormal for codes 0 and 0.5), then one packed multiply by (block scale * 2^7) gives
+//    value * scale * 2^-7 EXACTLY (at most 6 significant bits, in the normal range).  The 2^7 and
+//    the global scales fold into the fp32 softmax scale and output scale.
 //  * the MMA K-dimension (head dim for QK, tokens for PV) may be permuted freely as long as both
 //    operands agree; the permutations below make every shared-memory read a single 4/8/16-byte
 //    load and every unpack a few LOP/PRMT/shift instructions.
@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 #include "e2m1.h"
 #include "half_types.cuh"
 #include "nvfp4_kernels.h"
@@ -36,27 +37,14 @@ constexpr int kStages = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
 
-template <typename T> struct TypeTraits;
-template <> struct TypeTraits<__half> {
-  static constexpr int kUnpackShift = 3;            // magnitude bits -> fp16 bits 9..11
-  static constexpr float kScaleBias = 128.0f;        // 2^-14 * 2^7 = 2^-7
-  using T2 = __half2;
-  __device__ static uint32_t scale2(float s) {
-    __half2 h = __float2half2_rn(s * kScaleBias);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static void store(__half* dst, float x) { *dst = __float2half_rn(x); }
-};
-template <> struct TypeTraits<__nv_bfloat16> {
-  static constexpr int kUnpackShift = 6;            // magnitude bits -> bf16 bits 6..8
-  static constexpr float kScaleBias = 6.6461399789245794e35f;  // 2^119: 2^-126 * 2^119 = 2^-7
-  using T2 = __nv_bfloat162;
-  __device__ static uint32_t scale2(float s) {
-    __nv_bfloat162 h = __float2bfloat162_rn(s * kScaleBias);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ static void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
-};
+// The MMAs run in fp16 for both query dtypes: E2M1 x E4M3 x 2^-7 is exact in fp16 (at most 6
+// significant bits, 2^-17 .. 21), P in [0, 1] keeps 3 more bits than in bf16, and an E2M1 code is
+// a single fp16 high byte, which is what makes the unpack below cheap.  bf16 queries are scaled by
+// a power of two per row into fp16's range (exact but for elements 2^32 below the row's maximum).
+constexpr float kScaleBias = 128.0f;  // E2M1 codes unpack as value * 2^-14; scales carry 2^7: 2^-7
+__device__ __forceinline__ uint32_t scale2(float s) { return pack2(s * kScaleBias, s * kScaleBias, __half()); }
+__device__ __forceinline__ void store(__half* dst, float x) { *dst = __float2half_rn(x); }
+__device__ __forceinline__ void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
 
 // ------------------------------------------------------------------ PTX wrappers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -81,44 +69,44 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
-template <typename T>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (sizeof(T) == 2 && TypeTraits<T>::kUnpackShift == 6) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
-template <typename T>
 __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  using T2 = typename TypeTraits<T>::T2;
-  T2 r = __hmul2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// (a & mask) | (b & ~mask) in one LOP3
+__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t mask) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
+  return r;
 }
 
-// Four fp16/bf16 pairs from the 8 nibbles of a word: (n3,n7), (n2,n6), (n1,n5), (n0,n4).
-template <typename T>
+// Four fp16 pairs from the 8 E2M1 codes of a word (code k at bits 4k..4k+3, sign on top): (n0,n4),
+// (n2,n6), (n1,n5), (n3,n7), each code as value * 2^-14.  An E2M1 code smmm is the fp16 high byte
+// s000mmm0 (low byte 0), so the codes are first laid out one per byte in that form, even codes in
+// one word and odd codes in another (6 instructions), and then each pair is one byte permute with
+// zero bytes between.  The masks: bit 3 of each byte is in 0x0E, so `sign` keeps only bit 7 there.
 __device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
-  constexpr int kShift = TypeTraits<T>::kUnpackShift;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    pairs[j] = (q & 0x80008000u) | ((q & 0x70007000u) >> kShift);
-    q <<= 4;
-  }
+  const uint32_t sign = q & 0x88888888u;
+  const uint32_t even = select_bits(q << 1, sign << 4, 0x0E0E0E0Eu);  // codes 0, 2, 4, 6
+  const uint32_t odd = select_bits(q >> 3, sign, 0x0E0E0E0Eu);        // codes 1, 3, 5, 7
+  pairs[0] = __byte_perm(even, 0u, 0x2404);  // {0, byte 0, 0, byte 2}
+  pairs[1] = __byte_perm(even, 0u, 0x3414);  // {0, byte 1, 0, byte 3}
+  pairs[2] = __byte_perm(odd, 0u, 0x2404);
+  pairs[3] = __byte_perm(odd, 0u, 0x3414);
 }
 // Element (within the word) of each pair's low half, in unpack_word order; the high half is +4.
-__device__ __forceinline__ constexpr int pair_element(int j) { return 3 - j; }
+__device__ __forceinline__ constexpr int pair_element(int j) { return j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3; }
 
 // ------------------------------------------------------------------ configuration
 template <int kHeadDim, int kRowTiles, int kRowWarps>
@@ -142,7 +130,7 @@ struct Config {
   static constexpr int kPipelineBytes = kStages * kStageBytes;
   static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
   static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
-  // E4M3 byte -> packed {scale, scale} * TypeTraits::kScaleBias: one shared load per block scale
+  // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
   static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
   // kernels with two row tiles and up to two row warps keep the Q^T operands in shared memory, one
@@ -187,7 +175,6 @@ template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
-  using TT = TypeTraits<T>;
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
@@ -218,7 +205,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int first_qpos = seq_len - q_len;
 
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = TT::scale2(e4m3_value(i));  // read after the first barrier
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the first barrier
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
   // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);
@@ -235,9 +222,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
   }
 
-  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
+  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n), loaded here and
+  // made fp16 once the pipeline's first copies are in flight
   uint32_t q_frag[kRowTiles][C::kKSteps][2];
-  int row_pos[kRowTiles][2];  // cache position of query rows 2c, 2c+1 (or -1: no such row)
+  int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
     const int row = (row_warp * kRowTiles + t) * 8 + g;
@@ -268,17 +256,6 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   }
 
-  // the row warp's operands, stored by its first token warp; read after the pipeline's first barrier
-  uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + row_warp * kRowTiles * C::kKSteps * 32;
-  if constexpr (C::kQInSmem) {
-    if (token_warp == 0) {
-#pragma unroll
-      for (int t = 0; t < kRowTiles; ++t)
-#pragma unroll
-        for (int s = 0; s < C::kKSteps; ++s) q_smem[(t * C::kKSteps + s) * 32 + lane] = make_uint2(q_frag[t][s][0], q_frag[t][s][1]);
-    }
-  }
-
   if (p.hadamard) __syncthreads();  // q_rot is read; the pipeline may overwrite it
 
   // ---------------- pipeline: thread -> (token, half) of each stage
@@ -290,26 +267,31 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
   int next_page = page_of(0);
+  // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
+  // K (half 0) or V (half 1) block scales; within a page, offsets fit 32 bits (the binding checks)
+  constexpr int kHalf = C::kDataBytes / 2;
+  const uint8_t* k_src = p.k_data + kv_head * p.data_strides.head + load_half * kHalf;
+  const uint8_t* v_src = p.v_data + kv_head * p.data_strides.head + load_half * kHalf;
+  const uint8_t* scale_src = (load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head;
+  const int data_token_stride = static_cast<int>(p.data_strides.token);
+  const int scale_token_stride = static_cast<int>(p.scale_strides.token);
+  const int data_dst = C::data_offset(load_token) + load_half * kHalf;
+  const int scale_dst = 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int page = next_page;
       next_page = page_of(tile + 1);
-      const int pos = begin + tile * kTileTokens + load_token;
+      const int in_page = (begin + tile * kTileTokens + load_token) & page_mask;
       const bool valid = page >= 0;
-      const int64_t off = valid ? (int64_t)page * p.data_strides.page + (int64_t)(pos & page_mask) * p.data_strides.token +
-                                      (int64_t)kv_head * p.data_strides.head : 0;
-      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + (int64_t)(pos & page_mask) * p.scale_strides.token +
-                                       (int64_t)kv_head * p.scale_strides.head : 0;
+      const int64_t off = valid ? (int64_t)page * p.data_strides.page + in_page * data_token_stride : 0;
+      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + in_page * scale_token_stride : 0;
       uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
-      constexpr int kHalf = C::kDataBytes / 2;
-      const int dst = C::data_offset(load_token) + load_half * kHalf;
 #pragma unroll
       for (int b = 0; b < kHalf; b += 16) {
-        cp_async<16>(stage + dst + b, p.k_data + off + load_half * kHalf + b, valid);
-        cp_async<16>(stage + C::kDataStage + dst + b, p.v_data + off + load_half * kHalf + b, valid);
+        cp_async<16>(stage + data_dst + b, k_src + off + b, valid);
+        cp_async<16>(stage + C::kDataStage + data_dst + b, v_src + off + b, valid);
       }
-      uint8_t* sdst = stage + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
-      cp_async<C::kScaleBytes>(sdst, (load_half ? p.v_block_scales : p.k_block_scales) + soff, valid);
+      cp_async<C::kScaleBytes>(stage + scale_dst, scale_src + soff, valid);
     }
     cp_async_commit();
   };
@@ -330,12 +312,56 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
 
+  // bf16 rows move into fp16 times 2^row_exp, which puts the row's largest magnitude in
+  // [2^14, 2^15); the softmax divides it out
+  float score_scale[kRowTiles][2];  // rows 2c, 2c+1: (soft-cap ? qk_scale : qk_scale_log2) * 2^-row_exp
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+    int row_exp = 0;
+    if constexpr (!std::is_same_v<T, __half>) {
+      float amax = 0.f;  // a NaN element drops out here and stays NaN in its fragment
+#pragma unroll
+      for (int s = 0; s < C::kKSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 v = to_float2(q_frag[t][s][half], T());
+          amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+        }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 4 lanes
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      // from 2^-114 (an infinite maximum) to 2^127 (zero or subnormal rows)
+      row_exp = min(141 - static_cast<int>(__float_as_uint(amax) >> 23), 127);
+      const float q_scale = ldexpf(1.f, row_exp);
+#pragma unroll
+      for (int s = 0; s < C::kKSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 v = to_float2(q_frag[t][s][half], T());
+          q_frag[t][s][half] = pack2(v.x * q_scale, v.y * q_scale, __half());
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      score_scale[t][i] = ldexpf(soft_cap ? qk_scale : qk_scale_log2, -__shfl_sync(0xffffffffu, row_exp, (2 * c + i) * 4));
+  }
+  // the row warp's operands, stored by its first token warp; read after the pipeline's first barrier
+  uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + row_warp * kRowTiles * C::kKSteps * 32;
+  if constexpr (C::kQInSmem) {
+    if (token_warp == 0) {
+#pragma unroll
+      for (int t = 0; t < kRowTiles; ++t)
+#pragma unroll
+        for (int s = 0; s < C::kKSteps; ++s) q_smem[(t * C::kKSteps + s) * 32 + lane] = make_uint2(q_frag[t][s][0], q_frag[t][s][1]);
+    }
+  }
+
   // this thread's shared-memory offsets within a stage's first 16-token sub-tile; sub-tile k adds
   // k * kSubData / kSubScale (data_offset is linear in steps of 16 rows)
   constexpr int kSubData = C::data_offset(16), kSubScale = 16 * C::kScaleBytes;
-  const int ka = tile_token(g), kb = tile_token(g + 8);
-  const int k_off_a = C::data_offset(ka) + c * C::kKChunk, k_off_b = C::data_offset(kb) + c * C::kKChunk;
-  const int ks_off_a = ka * C::kScaleBytes + c * (C::kKChunk / 8), ks_off_b = kb * C::kScaleBytes + c * (C::kKChunk / 8);
+  // token kb is ka + 2, in the same padded group of 4 rows: b's offsets are a's plus constants
+  const int ka = tile_token(g), kb = ka + 2;
+  const int k_off_a = C::data_offset(ka) + c * C::kKChunk, k_off_b = k_off_a + 2 * C::kDataBytes;
+  const int ks_off_a = ka * C::kScaleBytes + c * (C::kKChunk / 8), ks_off_b = ks_off_a + 2 * C::kScaleBytes;
   // V: thread c holds tokens 4c..4c+3 (one padded group of 4 rows), head-dim bytes [g*kVChunk, +kVChunk)
   const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
 
@@ -372,20 +398,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         for (int w2 = 0; w2 < 2; ++w2) {
           const int w = blk * 2 + w2;
           uint32_t pa[4], pb[4];
-          unpack_word<T>(kwa[w], pa);
-          unpack_word<T>(kwb[w], pb);
+          unpack_word(kwa[w], pa);
+          unpack_word(kwb[w], pb);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {  // two k-steps per word
             const int s = 2 * w + h;
-            const uint32_t a[4] = {mul2<T>(pa[2 * h], sa), mul2<T>(pb[2 * h], sb), mul2<T>(pa[2 * h + 1], sa),
-                                   mul2<T>(pb[2 * h + 1], sb)};
+            const uint32_t a[4] = {mul2(pa[2 * h], sa), mul2(pb[2 * h], sb), mul2(pa[2 * h + 1], sa),
+                                   mul2(pb[2 * h + 1], sb)};
 #pragma unroll
             for (int t = 0; t < kRowTiles; ++t) {
               if constexpr (C::kQInSmem) {
                 const uint2 b = q_smem[(t * C::kKSteps + s) * 32 + lane];
-                mma<T>(s_acc[t], a, b.x, b.y);
+                mma(s_acc[t], a, b.x, b.y);
               } else {
-                mma<T>(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+                mma(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
               }
             }
           }
@@ -402,10 +428,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           if (soft_cap) {
-            const float v = s_acc[t][i] * qk_scale;
+            const float v = s_acc[t][i] * score_scale[t][i & 1];
             x[i] = p.logits_soft_cap * tanhf(v / p.logits_soft_cap) * kLog2e;
           } else {
-            x[i] = s_acc[t][i] * qk_scale_log2;
+            x[i] = s_acc[t][i] * score_scale[t][i & 1];
           }
         }
         if (masked) {
@@ -452,8 +478,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
           row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
         }
         // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
-        p_frag[t][0] = transpose8x8(pack2(p_val[0], p_val[1], T()));
-        p_frag[t][1] = transpose8x8(pack2(p_val[2], p_val[3], T()));
+        p_frag[t][0] = transpose8x8(pack2(p_val[0], p_val[1], __half()));
+        p_frag[t][1] = transpose8x8(pack2(p_val[2], p_val[3], __half()));
       }
       // ---- O^T += V^T P^T
       uint32_t vw[4][C::kVChunk / 4];
@@ -474,17 +500,17 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         const uint32_t s01 = __byte_perm(sv[0], sv[1], 0x5410), s23 = __byte_perm(sv[2], sv[3], 0x5410);
         // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
         uint32_t p01[8], p23[8];
-        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
-        unpack_word<T>(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
-        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
-        unpack_word<T>(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
+        unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
+        unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
+        unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
+        unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles of this word (2 head-dim rows each)
           const int d = w * 4 + q;
-          const uint32_t a[4] = {mul2<T>(p01[2 * q], s01), mul2<T>(p01[2 * q + 1], s01), mul2<T>(p23[2 * q], s23),
-                                 mul2<T>(p23[2 * q + 1], s23)};
+          const uint32_t a[4] = {mul2(p01[2 * q], s01), mul2(p01[2 * q + 1], s01), mul2(p23[2 * q], s23),
+                                 mul2(p23[2 * q + 1], s23)};
 #pragma unroll
-          for (int t = 0; t < kRowTiles; ++t) mma<T>(o_acc[t][d], a, p_frag[t][0], p_frag[t][1]);
+          for (int t = 0; t < kRowTiles; ++t) mma(o_acc[t][d], a, p_frag[t][0], p_frag[t][1]);
         }
       }
     }
@@ -563,7 +589,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       merge_out[row * kHeadDim + d] = value;
       continue;
     }
-    TT::store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+    store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
                   (int64_t)head * p.out_stride_head + d, value);
   }
   if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
@@ -574,7 +600,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       if (p.num_splits > 1) {
         p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = value;
       } else {
-        TT::store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+        store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
                       (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head + d, value);
       }
     }
@@ -603,7 +629,7 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_con
     }
     T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
              (int64_t)head * p.out_stride_head + d;
-    TypeTraits<T>::store(dst, l == 0.f ? 0.f : o * (v_scale / l));
+    store(dst, l == 0.f ? 0.f : o * (v_scale / l));
   }
 }
 
