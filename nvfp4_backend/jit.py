@@ -90,7 +90,7 @@ def kernels_available(device: torch.device) -> bool:
     if cap in _unavailable:
         return False
     if cap < (8, 0):
-        _unavailable[cap] = f"compute capability {cap} is below 8.0 (mma.sync bf16 needs SM80+)"
+        _unavailable[cap] = f"compute capability {cap} is below 8.0 (the kernels need SM80+: mma.sync m16n8k16, cp.async)"
     else:
         try:
             _load_for(cap)
