@@ -13,7 +13,7 @@
 //    movmatrix.trans, no shared memory.
 //  * dequantization in registers: each E2M1 code becomes an fp16 high byte (value * 2^-14, exact,
 //    subnormal for codes 0 and 0.5), then one packed multiply by (block scale * 2^7) gives
-//    value * scale * 2^-7 EXACTLY (at most 6 significant bits, in the normal range).  The 2^7 and
+//    value * scale * 2^-7 EXACTLY (at most 6 significant bits, 2^-17 .. 21).  The 2^7 and
 //    the global scales fold into the fp32 softmax scale and output scale.
 //  * the MMA K-dimension (head dim for QK, tokens for PV) may be permuted freely as long as both
 //    operands agree; the permutations below make every shared-memory read a single 4/8/16-byte
@@ -40,7 +40,8 @@ constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
 // The MMAs run in fp16 for both query dtypes: E2M1 x E4M3 x 2^-7 is exact in fp16 (at most 6
 // significant bits, 2^-17 .. 21), P in [0, 1] keeps 3 more bits than in bf16, and an E2M1 code is
 // a single fp16 high byte, which is what makes the unpack below cheap.  bf16 queries are scaled by
-// a power of two per row into fp16's range (exact but for elements 2^32 below the row's maximum).
+// a power of two per row into fp16's range (exact but for elements some 2^31 below the row's
+// maximum, which lose bits, and 2^39 below, which become 0).
 constexpr float kScaleBias = 128.0f;  // E2M1 codes unpack as value * 2^-14; scales carry 2^7: 2^-7
 __device__ __forceinline__ uint32_t scale2(float s) { return pack2(s * kScaleBias, s * kScaleBias, __half()); }
 __device__ __forceinline__ void store(__half* dst, float x) { *dst = __float2half_rn(x); }
@@ -169,8 +170,9 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 }
 
 // ------------------------------------------------------------------ the kernel
-// Two row tiles and up to two row warps: 4 resident blocks per SM (127 registers, the Q operands
-// in shared memory); 0 leaves the other kernels to the compiler (the 1-row-tile kernel's 93).
+// Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
+// operands in shared memory; the bf16 hd128 kernel with 2 row warps spills 12 bytes on sm_90);
+// 0 leaves the other kernels to the compiler (the 1-row-tile kernel's 93-95).
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
@@ -313,7 +315,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   for (int s = 0; s < kStages - 1; ++s) issue(s);
 
   // bf16 rows move into fp16 times 2^row_exp, which puts the row's largest magnitude in
-  // [2^14, 2^15); the softmax divides it out
+  // [2^14, 2^15) (maxima below 2^-113 take 2^127 and end lower, still exact); the softmax
+  // divides it out
   float score_scale[kRowTiles][2];  // rows 2c, 2c+1: (soft-cap ? qk_scale : qk_scale_log2) * 2^-row_exp
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
@@ -329,7 +332,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 4 lanes
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      // from 2^-114 (an infinite maximum) to 2^127 (zero or subnormal rows)
+      // from 2^-114 (an infinite maximum) to 2^127 (zero rows, and maxima below 2^-113)
       row_exp = min(141 - static_cast<int>(__float_as_uint(amax) >> 23), 127);
       const float q_scale = ldexpf(1.f, row_exp);
 #pragma unroll
