@@ -33,10 +33,13 @@ void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
     TORCH_CHECK(k_sf.stride(d) % scale_bytes == 0, "block-scale strides must be multiples of ", scale_bytes,
                 " bytes, got ", k_sf.strides());
   }
-  // the kernels compute offsets within a page in 32 bits
+  // the decode kernel computes offsets within a page, and page strides, in 32 bits
   TORCH_CHECK(k_data.size(1) * k_data.stride(1) < (int64_t(1) << 31) && k_sf.size(1) * k_sf.stride(1) < (int64_t(1) << 31),
               "a cache page's tokens must span fewer than 2^31 bytes, got page_size ", k_data.size(1),
               " with token strides ", k_data.stride(1), " (data) and ", k_sf.stride(1), " (block scales)");
+  TORCH_CHECK(k_data.stride(0) < (int64_t(1) << 32) && k_sf.stride(0) < (int64_t(1) << 32),
+              "cache page strides must be below 2^32 bytes, got ", k_data.stride(0), " (data) and ", k_sf.stride(0),
+              " (block scales)");
   for (const Tensor* t : {&k_data, &v_data})
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "cache data must be 16-byte aligned");
   for (const Tensor* t : {&k_sf, &v_sf})

@@ -270,23 +270,27 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   };
   int next_page = page_of(0);
   // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
-  // K (half 0) or V (half 1) block scales; within a page, offsets fit 32 bits (the binding checks)
+  // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
+  // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
   constexpr int kHalf = C::kDataBytes / 2;
   const uint8_t* k_src = p.k_data + kv_head * p.data_strides.head + load_half * kHalf;
   const uint8_t* v_src = p.v_data + kv_head * p.data_strides.head + load_half * kHalf;
   const uint8_t* scale_src = (load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head;
-  const int data_token_stride = static_cast<int>(p.data_strides.token);
-  const int scale_token_stride = static_cast<int>(p.scale_strides.token);
+  const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
+  const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
+  const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
+  const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
   const int data_dst = C::data_offset(load_token) + load_half * kHalf;
   const int scale_dst = 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
   auto issue = [&](int tile) {
     if (tile < num_tiles) {
       const int page = next_page;
       next_page = page_of(tile + 1);
-      const int in_page = (begin + tile * kTileTokens + load_token) & page_mask;
+      const uint32_t in_page = static_cast<uint32_t>((begin + tile * kTileTokens + load_token) & page_mask);
       const bool valid = page >= 0;
-      const int64_t off = valid ? (int64_t)page * p.data_strides.page + in_page * data_token_stride : 0;
-      const int64_t soff = valid ? (int64_t)page * p.scale_strides.page + in_page * scale_token_stride : 0;
+      const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
+      const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
+      const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
       uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
 #pragma unroll
       for (int b = 0; b < kHalf; b += 16) {
