@@ -171,7 +171,7 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; the bf16 hd128 kernel with 2 row warps spills 12 bytes on sm_90);
+// operands in shared memory; the bf16 hd128 kernel with 2 row warps spills 8 bytes on sm_90);
 // 0 leaves the other kernels to the compiler (the 1-row-tile kernel's 93-95).
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4 : 0)
