@@ -8,10 +8,14 @@ modes=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # the JIT build in the repo's ignored build/ folder, so a warm machine reuses it across calls
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
-# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/ (and tqdm)
-if ls .whl-fi/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-fi/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+# FlashInfer peers: flashinfer-python 0.7.2.post1 + apache-tvm-ffi wheels carried in .whl-fi/ (and tqdm),
+# or in .whl-fi-slim/ (scripts/slim_flashinfer_wheel.py: what fits a call's 64 MiB with the repo)
+for wheels in .whl-fi .whl-fi-slim; do
+  if ls $wheels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    break
+  fi
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
