@@ -75,8 +75,8 @@ def test_catches_a_wrong_attention_result(monkeypatch, dtype, max_context):
 def test_fp16_weight_allowance_rejects_flushing_a_weight_the_kernel_keeps():
     """Seed 22 (an H200 failure before the weights were biased by 2^15): all weight on a zero-V
     token, a context weight of 2^-32.7.  Unbiased fp16 weights flushed it and returned 0 where the
-    exact output is ~1e-8; biased, the weight is an fp16 subnormal that keeps 7 bits, so the fuzz
-    bound (which allows only weights below 2^-40 to vanish) must fail that output."""
+    exact output is up to ~4e-7; biased, the weight is an fp16 subnormal that keeps 7 bits, so
+    the fuzz bound (which allows only weights below 2^-40 to vanish) must fail that output."""
     real = fuzz.ops.paged_attention
 
     def fp16_weights_flushed(q, cache, table, seq, qsl, kg, vg, scale, *, out, **kw):
