@@ -36,10 +36,14 @@ constexpr int kTileTokens = 64;          // tokens per pipeline stage
 constexpr int kStages = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
+// Softmax weights are computed times 2^15 (at most 2^15 <= fp16's 65504), so in fp16 they stay
+// normal down to 2^-29 of the row maximum instead of 2^-14.  The output's numerator and the row
+// sums carry the same factor, which cancels; only the sinks' weights must be given it too.
+constexpr float kWeightBiasLog2 = 15.0f;
 
 // The MMAs run in fp16 for both query dtypes: E2M1 x E4M3 x 2^-7 is exact in fp16 (at most 6
-// significant bits, 2^-17 .. 21), P in [0, 1] keeps 3 more bits than in bf16, and an E2M1 code is
-// a single fp16 high byte, which is what makes the unpack below cheap.  bf16 queries are scaled by
+// significant bits, 2^-17 .. 21), the softmax weights keep 3 more bits than in bf16, and an E2M1
+// code is a single fp16 high byte, which is what makes the unpack below cheap.  bf16 queries are scaled by
 // a power of two per row into fp16's range (exact but for elements some 2^31 below the row's
 // maximum, which lose bits, and 2^39 below, which become 0).
 constexpr float kScaleBias = 128.0f;  // E2M1 codes unpack as value * 2^-14; scales carry 2^7: 2^-7
@@ -479,7 +483,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         float p_val[4];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const float base = row_max[t][i] == -INFINITY ? 0.f : row_max[t][i];
+          const float base = (row_max[t][i] == -INFINITY ? 0.f : row_max[t][i]) - kWeightBiasLog2;
           p_val[i] = fast_exp2(x[i] - base);
           p_val[i + 2] = fast_exp2(x[i + 2] - base);
           row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
@@ -588,7 +592,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       const float m2 = fmaxf(m, sink);
       const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
       o *= f;
-      l = l * f + exp2f(sink - m2);
+      l = l * f + exp2f(sink - m2 + kWeightBiasLog2);
     }
     // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
     const float value = l == 0.f ? 0.f : o * (v_scale / l);
@@ -628,7 +632,7 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_con
     float m = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
     for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.partial_max[(part0 + s) * p.max_rows + row]);
     const float base = m == -INFINITY ? 0.f : m;
-    float o = 0.f, l = p.sinks != nullptr ? exp2f(__ldg(p.sinks + head) * kLog2e - base) : 0.f;
+    float o = 0.f, l = p.sinks != nullptr ? exp2f(__ldg(p.sinks + head) * kLog2e - base + kWeightBiasLog2) : 0.f;
     for (int s = 0; s < p.num_splits; ++s) {
       const float f = exp2f(p.partial_max[(part0 + s) * p.max_rows + row] - base);
       o += f * p.partial_out[((part0 + s) * p.max_rows + row) * kHeadDim + d];

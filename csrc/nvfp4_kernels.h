@@ -47,6 +47,7 @@ struct DecodeParams {
   const int* query_start_loc;                           // [batch + 1]
   const float* k_global_scale; const float* v_global_scale;
   const float* sinks;                                   // [num_q_heads] logits, or nullptr
+  // partial_out and partial_sum both carry the decode kernel's 2^15 weight bias (it cancels)
   float* partial_out;   // [batch, kv_heads, num_splits, max_rows, head_dim] fp32 (num_splits > 1)
   float* partial_max;   // [batch, kv_heads, num_splits, max_rows] running max, log2 units
   float* partial_sum;   // [batch, kv_heads, num_splits, max_rows]

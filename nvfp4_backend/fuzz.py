@@ -125,7 +125,7 @@ def fp16_weight_allowance(q, k, v, seq_lens, query_start_loc, cfg) -> torch.Tens
                                                           cfg.sliding_window, cfg.logits_soft_cap, torch.float64)
     row_max = scores.amax(-1, keepdim=True)
     w = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
-    err = torch.where(w < 2.0 ** -14, w.clamp(max=2.0 ** -25), torch.zeros_like(w))
+    err = torch.where(w < 2.0 ** -29, w.clamp(max=2.0 ** -40), torch.zeros_like(w))
     per_row = torch.einsum("bhgql,blhd->bqhgd", err, v.abs()).flatten(2, 3)  # [B, Q, Hq, D]
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     out[rows[q_live]] = per_row[q_live]
@@ -215,12 +215,12 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     ref = reference.attention_ref(q[:rows], k, v, seq, qsl_dev, cfg.softmax_scale, cfg.sliding_window,
                                   cfg.logits_soft_cap, sinks, torch.float64)
     # The kernel rounds its softmax weights to fp16 for the P.V product (its MMAs are fp16 for both
-    # query dtypes; FlashAttention does the same for fp16).  A weight below 2^-14 of the running row
-    # maximum is an fp16 subnormal: rounded to a multiple of 2^-24 (or flushed), an error of at most
-    # min(w, 2^-25) relative to the final maximum (later rescales only shrink it; the row sum is
+    # query dtypes), computed times 2^15.  A weight below 2^-29 of the running row maximum is then
+    # an fp16 subnormal: rounded to a multiple of 2^-39 (or flushed), an error of at most
+    # min(w, 2^-40) relative to the final maximum (later rescales only shrink it; the row sum is
     # >= 1).  Normal weights round relatively (2^-11), inside TOLERANCE.  So per output element
-    # allow sum_j min(w_j, 2^-25) |v_j| over the keys with w_j < 2^-14, w from the fp64 scores:
-    # about 0 unless the attention is peaked.
+    # allow sum_j min(w_j, 2^-40) |v_j| over the keys with w_j < 2^-29, w from the fp64 scores:
+    # about 0 unless the attention is extremely peaked.
     floor_allowance = fp16_weight_allowance(q[:rows], k, v, seq, qsl_dev, cfg)
     del k, v
     worst, worst_excess = 0.0, 0.0
