@@ -183,11 +183,14 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
                   query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous() && block_table.stride(1) == 1,
               "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
-  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= nvfp4::kMaxSplits, "num_splits must lie in [1, ", nvfp4::kMaxSplits,
+              "], got ", num_splits);
   const int64_t partial_floats = batch * num_kv_heads * num_splits * max_rows;
-  if (num_splits > 1)
+  if (num_splits > 1) {
     TORCH_CHECK(workspace.numel() >= partial_floats * (head_dim + 2) * 4, "workspace too small: ",
                 workspace.numel(), " bytes, need ", partial_floats * (head_dim + 2) * 4);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, "workspace must be 16-byte aligned");
+  }
   nvfp4::DecodeParams p{};
   p.q = q.data_ptr();
   p.out = out.data_ptr();

@@ -133,7 +133,9 @@ struct Config {
   static constexpr int kScaleStage = kTileTokens * kScaleBytes;
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
   static constexpr int kPipelineBytes = kStages * kStageBytes;
-  static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
+  // per token warp and row: the output row, its running max and sum; then per row the token warps'
+  // weights, v_scale / sum and the sum
+  static constexpr int kMergeBytes = (kTokenWarps * kMaxRows * (kHeadDim + 2) + kMaxRows * (kTokenWarps + 2)) * 4;
   static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
@@ -211,6 +213,58 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int first_qpos = seq_len - q_len;
 
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
+
+  // ---------------- pipeline: thread -> (token, half) of each stage
+  const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
+  const int page_mask = (1 << p.page_size_log2) - 1;
+  const int* table = p.block_table + (int64_t)req * p.block_table_stride;
+  auto page_of = [&](int tile) -> int {
+    const int pos = begin + tile * kTileTokens + load_token;
+    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+  };
+  // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
+  // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
+  // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
+  constexpr int kHalf = C::kDataBytes / 2;
+  const uint8_t* k_src = p.k_data + kv_head * p.data_strides.head + load_half * kHalf;
+  const uint8_t* v_src = p.v_data + kv_head * p.data_strides.head + load_half * kHalf;
+  const uint8_t* scale_src = (load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head;
+  const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
+  const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
+  const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
+  const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
+  const int data_dst = C::data_offset(load_token) + load_half * kHalf;
+  const int scale_dst = 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
+  auto issue = [&](int tile, int page) {
+    if (tile < num_tiles) {
+      const uint32_t in_page = static_cast<uint32_t>((begin + tile * kTileTokens + load_token) & page_mask);
+      const bool valid = page >= 0;
+      const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
+      const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
+      const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
+      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+#pragma unroll
+      for (int b = 0; b < kHalf; b += 16) {
+        cp_async<16>(stage + data_dst + b, k_src + off + b, valid);
+        cp_async<16>(stage + C::kDataStage + data_dst + b, v_src + off + b, valid);
+      }
+      cp_async<C::kScaleBytes>(stage + scale_dst, scale_src + soff, valid);
+    }
+    cp_async_commit();
+  };
+  // the first stages' page indices load together (one table latency before the first copies, not
+  // a chain of them); later ones load one stage ahead of their copies
+  int first_pages[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) first_pages[s] = page_of(s);
+  int next_page = first_pages[kStages - 1];
+  auto issue_prologue = [&] {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue(s, first_pages[s]);
+  };
+  // the copies go out before the query and table set-up, which they then overlap; in KV mode
+  // "hadamard" the pipeline buffers first hold the rotated query rows
+  if (!p.hadamard) issue_prologue();
   for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the first barrier
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
@@ -228,8 +282,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
   }
 
-  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n), loaded here and
-  // made fp16 once the pipeline's first copies are in flight
+  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
   uint32_t q_frag[kRowTiles][C::kKSteps][2];
   int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
@@ -262,49 +315,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   }
 
-  if (p.hadamard) __syncthreads();  // q_rot is read; the pipeline may overwrite it
-
-  // ---------------- pipeline: thread -> (token, half) of each stage
-  const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
-  const int page_mask = (1 << p.page_size_log2) - 1;
-  const int* table = p.block_table + (int64_t)req * p.block_table_stride;
-  auto page_of = [&](int tile) -> int {
-    const int pos = begin + tile * kTileTokens + load_token;
-    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
-  };
-  int next_page = page_of(0);
-  // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
-  // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
-  // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
-  constexpr int kHalf = C::kDataBytes / 2;
-  const uint8_t* k_src = p.k_data + kv_head * p.data_strides.head + load_half * kHalf;
-  const uint8_t* v_src = p.v_data + kv_head * p.data_strides.head + load_half * kHalf;
-  const uint8_t* scale_src = (load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head;
-  const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
-  const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
-  const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
-  const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
-  const int data_dst = C::data_offset(load_token) + load_half * kHalf;
-  const int scale_dst = 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
-  auto issue = [&](int tile) {
-    if (tile < num_tiles) {
-      const int page = next_page;
-      next_page = page_of(tile + 1);
-      const uint32_t in_page = static_cast<uint32_t>((begin + tile * kTileTokens + load_token) & page_mask);
-      const bool valid = page >= 0;
-      const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
-      const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
-      const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
-      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
-#pragma unroll
-      for (int b = 0; b < kHalf; b += 16) {
-        cp_async<16>(stage + data_dst + b, k_src + off + b, valid);
-        cp_async<16>(stage + C::kDataStage + data_dst + b, v_src + off + b, valid);
-      }
-      cp_async<C::kScaleBytes>(stage + scale_dst, scale_src + soff, valid);
-    }
-    cp_async_commit();
-  };
+  if (p.hadamard) {
+    __syncthreads();  // q_rot is read; the pipeline may overwrite it
+    issue_prologue();
+  }
 
   // ---------------- running softmax state of this thread's rows (2c, 2c+1 of each row tile)
   float o_acc[kRowTiles][C::kDTiles][4];
@@ -318,9 +332,6 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) o_acc[t][d][i] = 0.f;
   }
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
 
   // bf16 rows move into fp16 times 2^row_exp, which puts the row's largest magnitude in
   // [2^14, 2^15) (maxima below 2^-113 take 2^127 and end lower, still exact); the softmax
@@ -379,7 +390,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    issue(tile + kStages - 1);
+    issue(tile + kStages - 1, next_page);
+    next_page = page_of(tile + kStages);
     const uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
 
 #pragma unroll
@@ -560,48 +572,61 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
   __syncthreads();
 
+  // per row, once: each token warp's weight, and the row's normalization
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   const int64_t part = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits + split;
-  for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
-    const int row = idx / kHeadDim, d = idx % kHeadDim;
+  float* row_factors = merge_ml + C::kTokenWarps * C::kMaxRows * 2;  // [rows][token warps + 2]
+  for (int row = threadIdx.x; row < rows; row += kThreads) {
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
     const float base = m == -INFINITY ? 0.f : m;
-    float o = 0.f, l = 0.f;
+    float l = 0.f;
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w) {
       const float f = exp2f(merge_ml[(w * C::kMaxRows + row) * 2] - base);
-      o += f * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
+      row_factors[row * (C::kTokenWarps + 2) + w] = f;
       l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
     }
+    if (p.num_splits > 1) {  // the partial rows stay unnormalized
+      p.partial_max[part * p.max_rows + row] = m;
+      p.partial_sum[part * p.max_rows + row] = l;
+    } else {
+      if (p.sinks != nullptr) {
+        const float sink = __ldg(p.sinks + kv_head * p.group_size + row % p.group_size) * kLog2e;
+        const float m2 = fmaxf(m, sink);
+        const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
+#pragma unroll
+        for (int w = 0; w < C::kTokenWarps; ++w) row_factors[row * (C::kTokenWarps + 2) + w] *= f;
+        l = l * f + exp2f(sink - m2 + kWeightBiasLog2);
+      }
+      row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps] = v_scale / l;
+      row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps + 1] = l;
+    }
+  }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
+    const int row = idx / kHeadDim, d = idx % kHeadDim;
+    const float* factors = row_factors + row * (C::kTokenWarps + 2);
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < C::kTokenWarps; ++w) o += factors[w] * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
+    // with rotation the rows are rotated back below (the merge is linear in them); this element's
+    // token-warp-0 slot was read above by this thread only, so it can hold the value
     if (p.num_splits > 1) {
-      // with rotation the partial rows are rotated back below (the merge is linear in them); this
-      // element's token-warp-0 slot was read above by this thread only, so it can hold the value
       if (p.hadamard) merge_out[row * kHeadDim + d] = o;
       else p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = o;
-      if (d == 0) {
-        p.partial_max[part * p.max_rows + row] = m;
-        p.partial_sum[part * p.max_rows + row] = l;
-      }
       continue;
     }
-    const int head = kv_head * p.group_size + row % p.group_size;
-    if (p.sinks != nullptr) {
-      const float sink = __ldg(p.sinks + head) * kLog2e;
-      const float m2 = fmaxf(m, sink);
-      const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
-      o *= f;
-      l = l * f + exp2f(sink - m2 + kWeightBiasLog2);
-    }
     // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
-    const float value = l == 0.f ? 0.f : o * (v_scale / l);
+    const float value = factors[C::kTokenWarps + 1] == 0.f ? 0.f : o * factors[C::kTokenWarps];
     if (p.hadamard) {
       merge_out[row * kHeadDim + d] = value;
       continue;
     }
     store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-                  (int64_t)head * p.out_stride_head + d, value);
+                  (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head + d, value);
   }
   if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
     fwht_rows<kHeadDim>(merge_out, rows);
@@ -618,44 +643,91 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
 }
 
-// Combine the splits of each (request, kv head): fixed order over splits, so run-to-run identical.
+// Combine the splits of one query row of one (request, kv head) per block.  The loop is latency-bound,
+// so the splits' weights are computed once into shared memory and the splits are spread over
+// groups of kHeadDim / 4 threads (float4 loads); sums are taken in a fixed order (per thread, then
+// warp shuffles, then groups in turn), so results are run-to-run identical.
+// shared memory: the weights (at most kMaxSplits: 32 KB), then kThreads * 4 group sums
+constexpr int merge_smem_bytes(int num_splits) { return ((num_splits + 3) / 4 * 4 + kThreads * 4) * 4; }
+
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float x, float* scratch, Op op) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, mask));
+  __syncthreads();  // scratch may still be read from the previous reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) x = op(x, scratch[w]);
+  return x;
+}
+
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
-  const int kv_head = blockIdx.y, req = blockIdx.z;
+  constexpr int kGroupThreads = kHeadDim / 4, kGroups = kThreads / kGroupThreads;
+  extern __shared__ __align__(16) float merge_smem[];
+  __shared__ float scratch[kWarps];
+  const int row = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
   const int q_start = p.query_start_loc[req];
   const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
+  if (row >= rows) return;
+  const int head = kv_head * p.group_size + row % p.group_size;
+  const int64_t first = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits * p.max_rows + row;
+  const float* split_max = p.partial_max + first;  // split s at s * max_rows
+  const float* split_sum = p.partial_sum + first;
+  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
+
+  float m = sink;
+  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) m = fmaxf(m, split_max[(int64_t)s * p.max_rows]);
+  m = block_reduce(m, scratch, [](float a, float b) { return fmaxf(a, b); });
+  const float base = m == -INFINITY ? 0.f : m;
+  float* weight = merge_smem;                                    // [num_splits]
+  float* group_sum = merge_smem + (p.num_splits + 3) / 4 * 4;    // [kGroups][kHeadDim]
+  float l = 0.f;
+  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) {
+    const float f = exp2f(split_max[(int64_t)s * p.max_rows] - base);
+    weight[s] = f;
+    l += f * split_sum[(int64_t)s * p.max_rows];
+  }
+  l = block_reduce(l, scratch, [](float a, float b) { return a + b; });  // also publishes `weight`
+  if (p.sinks != nullptr) l += exp2f(sink - base + kWeightBiasLog2);
+
+  const int group = threadIdx.x / kGroupThreads, d4 = 4 * (threadIdx.x % kGroupThreads);
+  const float* src = p.partial_out + first * kHeadDim + d4;     // split s at s * max_rows * kHeadDim
+  const int64_t split_stride = (int64_t)p.max_rows * kHeadDim;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = group; s < p.num_splits; s += kGroups) {
+    const float f = weight[s];
+    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
+    acc.x += f * v.x, acc.y += f * v.y, acc.z += f * v.z, acc.w += f * v.w;
+  }
+  *reinterpret_cast<float4*>(group_sum + group * kHeadDim + d4) = acc;
+  __syncthreads();
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
-  const int64_t part0 = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits;
-  for (int idx = blockIdx.x * kThreads + threadIdx.x; idx < rows * kHeadDim; idx += gridDim.x * kThreads) {
-    const int row = idx / kHeadDim, d = idx % kHeadDim;
-    const int head = kv_head * p.group_size + row % p.group_size;
-    float m = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.partial_max[(part0 + s) * p.max_rows + row]);
-    const float base = m == -INFINITY ? 0.f : m;
-    float o = 0.f, l = p.sinks != nullptr ? exp2f(__ldg(p.sinks + head) * kLog2e - base + kWeightBiasLog2) : 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float f = exp2f(p.partial_max[(part0 + s) * p.max_rows + row] - base);
-      o += f * p.partial_out[((part0 + s) * p.max_rows + row) * kHeadDim + d];
-      l += f * p.partial_sum[(part0 + s) * p.max_rows + row];
-    }
-    T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-             (int64_t)head * p.out_stride_head + d;
-    store(dst, l == 0.f ? 0.f : o * (v_scale / l));
+  T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+           (int64_t)head * p.out_stride_head;
+  for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+    float o = 0.f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) o += group_sum[g * kHeadDim + d];
+    store(dst + d, l == 0.f ? 0.f : o * (v_scale / l));
   }
 }
 
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, p.num_kv_heads, p.batch);
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
-  const int per_head = p.max_rows * kHeadDim;
-  merge_splits_kernel<T, kHeadDim><<<dim3((per_head + kThreads - 1) / kThreads, p.num_kv_heads, p.batch), kThreads, 0,
-                                     stream>>>(p);
+  merge_splits_kernel<T, kHeadDim><<<dim3(p.max_rows, p.num_kv_heads, p.batch), kThreads,
+                                     merge_smem_bytes(p.num_splits), stream>>>(p);
   return cudaGetLastError();
 }
 

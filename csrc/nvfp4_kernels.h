@@ -35,6 +35,9 @@ struct WriteKVParams {
   float hadamard_scale;
 };
 
+//! Most KV splits per (request, kv head) the decode kernel's merge takes.
+constexpr int kMaxSplits = 8192;
+
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).
 struct DecodeParams {
   const void* q;  void* out;                   // [num_tokens, num_q_heads, head_dim] fp16/bf16

@@ -153,6 +153,8 @@ class AttentionPlan:
         return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)
 
 
+MAX_SPLITS = 8192
+"""Most KV splits the kernel's merge takes (csrc/nvfp4_kernels.h kMaxSplits)."""
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4
@@ -251,12 +253,16 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         max_seq_len = int(seq_lens.max()) if batch else 0
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
                               max_seq_len, cache.head_dim, num_sms(dev))
+    if not 1 <= plan.num_splits <= MAX_SPLITS:
+        raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.device != dev:
         raise ValueError(f"workspace is on {workspace.device}, expected {dev} (the cache's device)")
     elif workspace.numel() < plan.workspace_bytes:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
+    elif plan.num_splits > 1 and workspace.data_ptr() % 16:
+        raise ValueError("workspace must be 16-byte aligned (the kernel's merge reads it in 16-byte pieces)")
     # a rotated cache (k H, v H): q H in and the output (P V H) rotated back, inside the kernel
     torch.ops.nvfp4_backend.paged_attention(
         out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,

@@ -272,6 +272,15 @@ def test_long_context_split(gen):
     _check_decode(gen, "NHD", 128, 64, 4, 1, torch.bfloat16, num_kv_heads=2, seq_lens=[40000, 1, 333, 5000])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_many_splits(head_dim, sinks, gen):
+    """More splits than the merge has threads, many of them empty (past a request's end), for each
+    head dim's split groups in the merge."""
+    _check_decode(gen, "HND", head_dim, 16, 4, 2, torch.bfloat16, num_kv_heads=2, sinks=sinks, splits=300,
+                  seq_lens=[2, 5000, 700, 40])
+
+
 def test_cuda_graph_replay_and_determinism(gen):
     seq_lens, q_lens = [500, 1200, 77], [1, 1, 1]
     cache = make_cache("HND", 200, 16, 2, 128, DEV)

@@ -299,6 +299,12 @@ ATTN_BAD = {
     "out_meta": (lambda a: a.update(out=torch.empty_like(a["q"], device=META)), ValueError, "out"),
     "workspace_small": (lambda a: a.update(plan=ops.AttentionPlan(2, 1024),
                                            workspace=torch.empty(16, dtype=torch.uint8)), ValueError, "workspace"),
+    "plan_no_splits": (lambda a: a.update(plan=ops.AttentionPlan(0, 0)), ValueError, "num_splits"),
+    "plan_too_many_splits": (lambda a: a.update(plan=ops.AttentionPlan(ops.MAX_SPLITS + 1, 1 << 20)), ValueError,
+                             "num_splits"),
+    "workspace_misaligned": (lambda a: a.update(plan=ops.AttentionPlan(2, 1024),
+                                                workspace=torch.empty(1040, dtype=torch.uint8)[4:]), ValueError,
+                             "workspace"),
     "seq_len_beyond_block_table": pytest.param(
         lambda a: a["seq_lens"].__setitem__(1, a["block_table"].shape[1] * a["cache"].page_size + 1),
         ValueError, "seq_lens", marks=_OUT_OF_RANGE_READS),
