@@ -56,19 +56,29 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 template <int kBytes>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool valid) {  // dst: a shared address
   const int src_bytes = valid ? kBytes : 0;  // 0: zero-fill, read nothing
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(kBytes),
-                 "r"(src_bytes));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes));
   }
 }
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+// The value unchanged, but opaque to the compiler: it must keep it in a register instead of
+// recomputing it from the parameters and the thread index wherever it is used (in the tile loop)
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* x) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
+  return x;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -177,10 +187,12 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; the bf16 hd128 kernel with 2 row warps spills 8 bytes on sm_90);
-// 0 leaves the other kernels to the compiler (the 1-row-tile kernel's 93-95).
+// operands in shared memory; the hd128 kernels with 2 row warps spill 8 bytes on sm_90).  The
+// 1-row-tile kernel at head dims <= 128: 5 (at most 102 registers; its shared memory allows 5, and
+// without the bound the bf16 one takes 111 registers for 4); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4 : 0)
+__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
+                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 5 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -217,38 +229,44 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // ---------------- pipeline: thread -> (token, half) of each stage
   const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
   const int page_mask = (1 << p.page_size_log2) - 1;
-  const int* table = p.block_table + (int64_t)req * p.block_table_stride;
+  // the loop-invariant parts of the copies are opaque(): held in registers, where nvcc would
+  // otherwise recompute them from the parameters and the thread index for every tile (some 50
+  // instructions per tile)
+  const int* table = opaque(p.block_table + (int64_t)req * p.block_table_stride);
+  const int load_pos = static_cast<int>(opaque(static_cast<uint32_t>(begin + load_token)));  // at tile 0
   auto page_of = [&](int tile) -> int {
-    const int pos = begin + tile * kTileTokens + load_token;
+    const int pos = load_pos + tile * kTileTokens;
     return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
   // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
   // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
   // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
   constexpr int kHalf = C::kDataBytes / 2;
-  const uint8_t* k_src = p.k_data + kv_head * p.data_strides.head + load_half * kHalf;
-  const uint8_t* v_src = p.v_data + kv_head * p.data_strides.head + load_half * kHalf;
-  const uint8_t* scale_src = (load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head;
+  const uint8_t* k_src = opaque(p.k_data + kv_head * p.data_strides.head + load_half * kHalf);
+  const uint8_t* v_src = opaque(p.v_data + kv_head * p.data_strides.head + load_half * kHalf);
+  const uint8_t* scale_src =
+      opaque((load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head);
   const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
   const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
   const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
   const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
-  const int data_dst = C::data_offset(load_token) + load_half * kHalf;
-  const int scale_dst = 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes;
+  const uint32_t data_dst = opaque(smem_addr(smem) + C::data_offset(load_token) + load_half * kHalf);
+  const uint32_t scale_dst =
+      opaque(smem_addr(smem) + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes);
   auto issue = [&](int tile, int page) {
     if (tile < num_tiles) {
-      const uint32_t in_page = static_cast<uint32_t>((begin + tile * kTileTokens + load_token) & page_mask);
+      const uint32_t in_page = static_cast<uint32_t>((load_pos + tile * kTileTokens) & page_mask);
       const bool valid = page >= 0;
       const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
       const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
       const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
-      uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+      const uint32_t stage = (tile % kStages) * C::kStageBytes;
 #pragma unroll
       for (int b = 0; b < kHalf; b += 16) {
-        cp_async<16>(stage + data_dst + b, k_src + off + b, valid);
-        cp_async<16>(stage + C::kDataStage + data_dst + b, v_src + off + b, valid);
+        cp_async<16>(data_dst + stage + b, k_src + off + b, valid);
+        cp_async<16>(data_dst + stage + C::kDataStage + b, v_src + off + b, valid);
       }
-      cp_async<C::kScaleBytes>(stage + scale_dst, scale_src + soff, valid);
+      cp_async<C::kScaleBytes>(scale_dst + stage, scale_src + soff, valid);
     }
     cp_async_commit();
   };
