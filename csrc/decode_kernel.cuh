@@ -187,9 +187,10 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; the hd128 kernels with 2 row warps spill 8 bytes on sm_90).  The
-// 1-row-tile kernel at head dims <= 128: 5 (at most 102 registers; its shared memory allows 5, and
-// without the bound the bf16 one takes 111 registers for 4); 0 leaves the others to the compiler.
+// operands in shared memory; on sm_90 the hd128 ones spill 4-12 bytes, and the fp16 one with 2 row
+// warps reloads 3 words per tile).  The 1-row-tile kernel at head dims <= 128: 5 (its shared memory
+// allows 5; hd128 takes 96 registers, without the bound 111 in bf16, which leaves 4); 0 leaves the
+// others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
                                             : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 5 : 0)
@@ -663,10 +664,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
 // Combine the splits of one query row of one (request, kv head) per block.  The loop is latency-bound,
 // so the splits' weights are computed once into shared memory and the splits are spread over
-// groups of kHeadDim / 4 threads (float4 loads); sums are taken in a fixed order (per thread, then
-// warp shuffles, then groups in turn), so results are run-to-run identical.
+// groups of kHeadDim / 4 threads (float4 loads).  Sums go in a fixed order (the row sum per thread,
+// then by warp shuffles; the output per thread, then group by group), so results are run-to-run
+// identical.
 // shared memory: the weights (at most kMaxSplits: 32 KB), then kThreads * 4 group sums
 constexpr int merge_smem_bytes(int num_splits) { return ((num_splits + 3) / 4 * 4 + kThreads * 4) * 4; }
+static_assert(merge_smem_bytes(kMaxSplits) <= 48 * 1024, "the merge's shared memory needs no opt-in");
 
 template <typename Op>
 __device__ __forceinline__ float block_reduce(float x, float* scratch, Op op) {
