@@ -1,8 +1,9 @@
 """Static SASS instruction counts of csrc/ kernels, without a GPU.
 
 Compiles one source for one arch with the project's nvcc flags, disassembles it with cuobjdump
-and prints, per kernel, the instruction count, the top opcodes and (--loop) the size of the
-innermost loop that holds HMMA instructions (the decode kernel's hot loop).  cuobjdump and
+and prints, per kernel, ptxas's registers and spill bytes, the instruction count, the top opcodes
+and (--loop) the size of the innermost loop that holds HMMA instructions (the decode kernel's hot
+loop) with the local-memory loads and stores inside it (spills that cost every tile).  cuobjdump and
 nvdisasm are not in every CUDA install; the PyPI wheels carry them:
 
     pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm -d /tmp/nv
@@ -28,13 +29,27 @@ from nvfp4_backend import jit  # noqa: E402
 INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def disassemble(source: Path, arch: int, defines: list[str]) -> str:
+def disassemble(source: Path, arch: int, defines: list[str]) -> tuple[str, dict[str, str]]:
+    """The SASS, and per kernel ptxas's register and spill report."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cap = (arch // 10, arch % 10)
-        subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS, *jit.arch_flags(cap),
-                        f"-I{REPO / 'csrc'}", *[f"-D{d}" for d in defines]], check=True)
-        return subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+        built = subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS,
+                                *jit.arch_flags(cap), f"-I{REPO / 'csrc'}", *[f"-D{d}" for d in defines],
+                                "-Xptxas", "-v"], check=True, capture_output=True, text=True)
+        usage, name = {}, None
+        for line in built.stderr.splitlines():
+            m = re.search(r"(?:Compiling entry function|Function properties for) '?(\w+)", line)
+            if m:
+                name = m.group(1)
+            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+            if m and name:
+                usage[name] = f"spills {m.group(1)}/{m.group(2)} bytes"
+            m = re.search(r"Used (\d+) registers", line)
+            if m and name:
+                usage[name] = f"{m.group(1)} registers, " + usage.get(name, "")
+        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+        return sass, usage
 
 
 def kernels(sass: str) -> dict[str, list[tuple[int, str, str]]]:
@@ -78,15 +93,18 @@ def main() -> int:
     if not (shutil.which("cuobjdump") and shutil.which("nvdisasm")):
         print("cuobjdump and nvdisasm must be on PATH (see this script's docstring)", file=sys.stderr)
         return 2
-    for name, instrs in kernels(disassemble(args.source, args.arch, args.defines)).items():
+    sass, usage = disassemble(args.source, args.arch, args.defines)
+    for name, instrs in kernels(sass).items():
         if args.match not in name:
             continue
         count = collections.Counter(op.split(".")[0] for _, op, _ in instrs)
-        print(f"{name}\n  {len(instrs)} instructions: {count.most_common(args.top)}")
+        print(f"{name}\n  {usage.get(name, '')}\n  {len(instrs)} instructions: {count.most_common(args.top)}")
         if args.loop:
             body = hot_loop(instrs)
             loop = collections.Counter(op.split(".")[0] for _, op, _ in body)
-            print(f"  innermost HMMA loop: {len(body)} instructions: {loop.most_common(args.top)}")
+            # a spill inside the loop costs every tile; one in the prologue is harmless
+            print(f"  innermost HMMA loop: {len(body)} instructions (local loads {loop['LDL']}, stores {loop['STL']}): "
+                  f"{loop.most_common(args.top)}")
     return 0
 
 
