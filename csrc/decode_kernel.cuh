@@ -188,12 +188,12 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
 // operands in shared memory; on sm_90 the hd128 ones spill 4-12 bytes, and the fp16 one with 2 row
-// warps reloads 3 words per tile).  The 1-row-tile kernel at head dims <= 128: 5 (its shared memory
-// allows 5; hd128 takes 96 registers, without the bound 111 in bf16, which leaves 4); 0 leaves the
-// others to the compiler.
+// warps reloads 3 words per tile).  The 1-row-tile kernel: 5 at hd128 (its shared memory allows 5;
+// 96 registers, without the bound 111 in bf16, which leaves 4) and 8 at hd64 (64 registers, no
+// spills; unbounded 71, bounded to 5 79); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
-                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 5 : 0)
+                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];

@@ -110,16 +110,17 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows"])
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits"])
 def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
     kernel), and attention (the kernel rotates q in and the output back) equals the fp64 reference
     on those bytes, given the rotated q rounded as the kernel rounds it, with the output rotated
     back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
-    block serves (several row warps share the rotated-q buffer); rows past the batch untouched."""
+    block serves (several row warps share the rotated-q buffer), 301 splits of 16-row blocks (the
+    partial rows rotated back, then the merge); rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
-    group, q_len = (16, jit.decode_max_rows(d) // 16) if case == "many_rows" else (4, 2)
+    group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4)}.get(case, (4, 2))
     seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
@@ -143,6 +144,8 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)))
     if case == "single":
         plan = ops.AttentionPlan(1, 0)
+    if case == "many_splits":
+        plan = ops.AttentionPlan(301, 3 * hkv * 301 * q_len * group * (d + 2) * 4)
     assert (plan.num_splits > 1) == (case != "single")  # partial rows are rotated back too
     ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
                         max_query_len=max(q_lens), plan=plan, sinks=sinks)
@@ -274,11 +277,32 @@ def test_long_context_split(gen):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_many_splits(head_dim, sinks, gen):
-    """More splits than the merge has threads, many of them empty (past a request's end), for each
-    head dim's split groups in the merge."""
-    _check_decode(gen, "HND", head_dim, 16, 4, 2, torch.bfloat16, num_kv_heads=2, sinks=sinks, splits=300,
-                  seq_lens=[2, 5000, 700, 40])
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_many_splits(head_dim, sinks, q_len, gen):
+    """More splits than the merge has threads (301: not a multiple of 4, the weights' padding), many
+    of them empty (past a request's end), for each head dim's split groups in the merge; 8 rows
+    (the 1-row-tile kernel) and 16 (two row tiles or two row warps)."""
+    _check_decode(gen, "HND", head_dim, 16, 4, q_len, torch.bfloat16, num_kv_heads=2, sinks=sinks, splits=301,
+                  seq_lens=[q_len, 5000, 700, 40])
+
+
+def test_binding_rejects_bad_splits(gen):
+    """The binding's own checks, behind the Python op's: too many splits and a misaligned split
+    workspace are errors naming the argument, and the output is not written."""
+    cache = make_cache("HND", 64, 16, 2, 128, DEV)
+    fill_random(cache, gen)
+    batch = make_batch([300, 40], [1, 1], 8, 128, 16, 64, torch.bfloat16, gen, DEV)
+    kg, vg = _scales(gen)
+    kernels = jit.load(torch.device(DEV))
+    workspace = torch.empty(2 * 2 * (ops.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
+    for num_splits, ws, message in ((ops.MAX_SPLITS + 1, workspace, "num_splits must lie in"),
+                                    (2, workspace[4:], "workspace must be 16-byte aligned")):
+        out = torch.full_like(batch.q, float("nan"))
+        with pytest.raises(RuntimeError, match=message):
+            kernels.paged_attention(out, batch.q, *cache.tensors(), batch.block_table, batch.seq_lens,
+                                    batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, 1, num_splits, ws, "none")
+        torch.cuda.synchronize()
+        assert out.isnan().all(), "out was written although the call was rejected"
 
 
 def test_cuda_graph_replay_and_determinism(gen):
