@@ -625,6 +625,11 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
   __syncthreads();
 
+  // query row -> its output row: (token, head) = (row / group, kv_head * group + row % group)
+  auto out_row = [&](int row) {
+    return static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+           (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head;
+  };
   for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
     const int row = idx / kHeadDim, d = idx % kHeadDim;
     const float* factors = row_factors + row * (C::kTokenWarps + 2);
@@ -644,8 +649,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       merge_out[row * kHeadDim + d] = value;
       continue;
     }
-    store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-                  (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head + d, value);
+    store(out_row(row) + d, value);
   }
   if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
     fwht_rows<kHeadDim>(merge_out, rows);
@@ -655,8 +659,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       if (p.num_splits > 1) {
         p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = value;
       } else {
-        store(static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-                      (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head + d, value);
+        store(out_row(row) + d, value);
       }
     }
   }
@@ -740,7 +743,6 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_con
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
-  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (err != cudaSuccess) return err;

@@ -16,6 +16,7 @@ int decode_max_rows(int head_dim) {
 
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.max_rows <= 0 || p.max_rows > decode_max_rows(p.head_dim)) return cudaErrorInvalidValue;
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
   switch (p.head_dim) {
     case 64: return launch_paged_decode_hd64(p, stream);
     case 128: return launch_paged_decode_hd128(p, stream);

@@ -3,11 +3,13 @@ checking, their custom-op registration and ``torch.compile``."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from nvfp4_backend import PagedKVCache, ops, reference
+from nvfp4_backend import PagedKVCache, jit, ops, reference
 from nvfp4_backend import format as fmt
 
 META = torch.device("meta")   # stands in for "some other device" on a CPU-only machine
@@ -155,6 +157,21 @@ def test_extend_attention_bf16_queries_past_fp16_range(make_batch):
     got = ops.extend_attention(*args)
     want = reference.paged_attention_ref(*args, dtype=torch.float64)
     assert torch.isfinite(got).all() and float((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_python_limits_mirror_the_kernels():
+    """ops and jit check the split and row limits before any build, from Python twins of the
+    kernels' constants; a change on one side only must fail here (the binding checks again)."""
+    csrc = Path(jit.__file__).resolve().parent.parent / "csrc"
+    header = (csrc / "nvfp4_kernels.h").read_text()
+    assert int(re.search(r"kMaxSplits = (\d+);", header).group(1)) == ops.MAX_SPLITS
+    dispatch = (csrc / "paged_decode.cu").read_text()
+    table = re.search(r"int decode_max_rows\(int head_dim\) \{(.*?)\n\}", dispatch, re.S).group(1)
+    rows = {}
+    for cases, limit in re.findall(r"((?:case \d+: )+)return (\d+);", table):
+        rows.update({int(d): int(limit) for d in re.findall(r"\d+", cases)})
+    assert rows == {d: jit.decode_max_rows(d) for d in (64, 128, 256)}
+    assert jit.decode_max_rows(96) == 0
 
 
 @pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim", [
