@@ -1,5 +1,5 @@
 // nvfp4-backend kernel interface: params structs and launchers.  No torch includes here, so the
-// kernels compile fast and for any arch; binding.cu converts tensors into these structs.
+// kernels compile fast and for any arch; binding.cpp converts tensors into these structs.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>

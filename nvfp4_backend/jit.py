@@ -20,7 +20,7 @@ log = logging.getLogger("nvfp4_backend")
 
 KERNEL_SOURCES = ("write_kv.cu", "gather_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
                   "paged_decode_hd256.cu")
-BINDING_SOURCE = "binding.cu"
+BINDING_SOURCE = "binding.cpp"
 MAX_DECODE_ROWS = 64
 """Query rows (q_len x group size) one decode thread block serves; longer extends take the
 dequantize + dense attention path."""

@@ -286,23 +286,34 @@ def test_many_splits(head_dim, sinks, q_len, gen):
                   seq_lens=[q_len, 5000, 700, 40])
 
 
-def test_binding_rejects_bad_splits(gen):
-    """The binding's own checks, behind the Python op's: too many splits and a misaligned split
-    workspace are errors naming the argument, and the output is not written."""
+def test_binding_rejects_bad_arguments(gen):
+    """The binding's own checks, behind the Python ops': too many splits, a misaligned split
+    workspace, too many rows, a bad scale rule are RuntimeErrors naming the argument (not a crash),
+    and nothing is written."""
     cache = make_cache("HND", 64, 16, 2, 128, DEV)
     fill_random(cache, gen)
     batch = make_batch([300, 40], [1, 1], 8, 128, 16, 64, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
     kernels = jit.load(torch.device(DEV))
     workspace = torch.empty(2 * 2 * (ops.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
-    for num_splits, ws, message in ((ops.MAX_SPLITS + 1, workspace, "num_splits must lie in"),
-                                    (2, workspace[4:], "workspace must be 16-byte aligned")):
+    # the messages that format numbers matter most: see text() in csrc/binding.cpp
+    for num_splits, ws, max_query_len, message in (
+            (ops.MAX_SPLITS + 1, workspace, 1, rf"num_splits must lie in \[1, {ops.MAX_SPLITS}\], got {ops.MAX_SPLITS + 1}"),
+            (2, workspace[4:], 1, "workspace must be 16-byte aligned"),
+            (1, workspace, 100, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128")):
         out = torch.full_like(batch.q, float("nan"))
         with pytest.raises(RuntimeError, match=message):
             kernels.paged_attention(out, batch.q, *cache.tensors(), batch.block_table, batch.seq_lens,
-                                    batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, 1, num_splits, ws, "none")
+                                    batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, max_query_len, num_splits, ws,
+                                    "none")
         torch.cuda.synchronize()
         assert out.isnan().all(), "out was written although the call was rejected"
+    before = [t.clone() for t in cache.tensors()]
+    k = torch.randn(3, 2, 128, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match='scale_rule must be "6" or "6or4", got 7'):
+        kernels.write_kv(k, k, torch.arange(3, device=DEV), *cache.tensors(), kg, vg, "7", "none")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors())), "the cache was written"
 
 
 def test_cuda_graph_replay_and_determinism(gen):

@@ -205,5 +205,5 @@ def kv4_compatibility_hook(server_args, previous) -> None:
     if view.page_size is None:
         declare_resolution(server_args, "nvfp4_xqa", page_size=DEFAULT_PAGE_SIZE)
     elif view.page_size <= 0 or view.page_size & (view.page_size - 1):
-        # The decode kernel finds a position's page by shifting (csrc/binding.cu: log2_exact).
+        # The decode kernel finds a position's page by shifting (csrc/binding.cpp: log2_exact).
         raise ValueError(f"{BACKEND_NAME} needs a power-of-two --page-size, got {view.page_size}")

@@ -1,5 +1,7 @@
 // torch.library bindings: tensors -> params structs -> launchers.  Nothing numeric lives here.
 #include <cmath>
+#include <string>
+#include <type_traits>
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,8 +12,29 @@ namespace {
 
 using at::Tensor;
 
+// Error messages are assembled here with std::to_string, never through c10::str's std::ostream:
+// a toolchain that links libstdc++ statically into the extension (the H200 image's /opt/gcc does)
+// leaves the process two copies of the iostream locale facets, and formatting a number through an
+// ostream built by the extension's copy then crashes instead of raising (seen 2026-11-30).
+std::string text(const char* s) { return s; }
+std::string text(c10::string_view s) { return std::string(s.data(), s.size()); }
+std::string text(at::ScalarType t) { return c10::toString(t); }
+std::string text(const at::Device& d) { return d.str(); }  // formatted inside libc10
+std::string text(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+std::string text(T v) { return std::to_string(v); }
+template <typename First, typename Second, typename... Rest>
+std::string text(const First& first, const Second& second, const Rest&... rest) {
+  return text(first) + text(second, rest...);
+}
+#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, text(__VA_ARGS__))
+
 nvfp4::QueryType query_type(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name,
+  CHECK_ARG(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name,
               " must be float16 or bfloat16, got ", t.scalar_type());
   return t.scalar_type() == at::kBFloat16 ? nvfp4::QueryType::kBFloat16 : nvfp4::QueryType::kFloat16;
 }
@@ -21,29 +44,29 @@ nvfp4::PageStrides strides_of(const Tensor& t) { return {t.stride(0), t.stride(1
 void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
                  const at::Device& device) {
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
-    TORCH_CHECK(t->device() == device, "cache tensors must be on ", device, ", got ", t->device());
-    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
+    CHECK_ARG(t->device() == device, "cache tensors must be on ", device, ", got ", t->device());
+    CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
                 "cache tensors must be 4-D uint8 with a contiguous last dimension");
   }
-  TORCH_CHECK(k_data.strides() == v_data.strides(), "k_data and v_data must have identical strides");
-  TORCH_CHECK(k_sf.strides() == v_sf.strides(), "k_block_scales and v_block_scales must have identical strides");
+  CHECK_ARG(k_data.strides() == v_data.strides(), "k_data and v_data must have identical strides");
+  CHECK_ARG(k_sf.strides() == v_sf.strides(), "k_block_scales and v_block_scales must have identical strides");
   const int64_t scale_bytes = k_sf.size(3);
   for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(k_data.stride(d) % 16 == 0, "k_data strides must be multiples of 16 bytes, got ", k_data.strides());
-    TORCH_CHECK(k_sf.stride(d) % scale_bytes == 0, "block-scale strides must be multiples of ", scale_bytes,
+    CHECK_ARG(k_data.stride(d) % 16 == 0, "k_data strides must be multiples of 16 bytes, got ", k_data.strides());
+    CHECK_ARG(k_sf.stride(d) % scale_bytes == 0, "block-scale strides must be multiples of ", scale_bytes,
                 " bytes, got ", k_sf.strides());
   }
   // the decode kernel computes offsets within a page, and page strides, in 32 bits
-  TORCH_CHECK(k_data.size(1) * k_data.stride(1) < (int64_t(1) << 31) && k_sf.size(1) * k_sf.stride(1) < (int64_t(1) << 31),
+  CHECK_ARG(k_data.size(1) * k_data.stride(1) < (int64_t(1) << 31) && k_sf.size(1) * k_sf.stride(1) < (int64_t(1) << 31),
               "a cache page's tokens must span fewer than 2^31 bytes, got page_size ", k_data.size(1),
               " with token strides ", k_data.stride(1), " (data) and ", k_sf.stride(1), " (block scales)");
-  TORCH_CHECK(k_data.stride(0) < (int64_t(1) << 32) && k_sf.stride(0) < (int64_t(1) << 32),
+  CHECK_ARG(k_data.stride(0) < (int64_t(1) << 32) && k_sf.stride(0) < (int64_t(1) << 32),
               "cache page strides must be below 2^32 bytes, got ", k_data.stride(0), " (data) and ", k_sf.stride(0),
               " (block scales)");
   for (const Tensor* t : {&k_data, &v_data})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "cache data must be 16-byte aligned");
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "cache data must be 16-byte aligned");
   for (const Tensor* t : {&k_sf, &v_sf})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0, "block scales must be ",
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0, "block scales must be ",
                 scale_bytes, "-byte aligned");
 }
 
@@ -62,7 +85,7 @@ void set_cache(Params& p, const Tensor& k_data, const Tensor& k_sf, const Tensor
 // multiplier float32(1/sqrt(D)), rounded from double as Python does.
 template <typename Params>
 void set_rotation(Params& p, c10::string_view rotation, int64_t head_dim) {
-  TORCH_CHECK(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
+  CHECK_ARG(rotation == "none" || rotation == "hadamard", "rotation must be \"none\" or \"hadamard\", got ", rotation);
   p.hadamard = rotation == "hadamard";
   p.hadamard_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
@@ -70,7 +93,7 @@ void set_rotation(Params& p, c10::string_view rotation, int64_t head_dim) {
 int log2_exact(int64_t x, const char* name) {
   int l = 0;
   while ((int64_t(1) << l) < x) ++l;
-  TORCH_CHECK((int64_t(1) << l) == x, name, " must be a power of two, got ", x);
+  CHECK_ARG((int64_t(1) << l) == x, name, " must be a power of two, got ", x);
   return l;
 }
 
@@ -79,23 +102,23 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
               c10::string_view scale_rule, c10::string_view rotation) {
   const c10::cuda::CUDAGuard guard(key.device());
   check_cache(k_data, k_sf, v_data, v_sf, key.device());
-  TORCH_CHECK(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
+  CHECK_ARG(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
               "key and value must have the same shape, strides and dtype");
-  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(0) % 8 == 0 && key.stride(1) % 8 == 0 &&
+  CHECK_ARG(key.dim() == 3 && key.stride(2) == 1 && key.stride(0) % 8 == 0 && key.stride(1) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(key.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(value.data_ptr()) % 16 == 0,
               "key/value must be [tokens, heads, head_dim], 16-byte aligned, strides multiples of 8");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+  CHECK_ARG(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping must be a contiguous int64 tensor");
   // the kernel keeps a token-head's 16-element blocks on a power-of-two number of lanes, and its
   // index math is 32-bit: one thread per block of K or V, and slots (checked before narrowing)
   const int64_t tokens = key.size(0), heads = key.size(1), head_dim = key.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+  CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256,
               "write_kv's CUDA kernel takes head_dim 64, 128 or 256, got ", head_dim);
-  TORCH_CHECK(tokens * 2 * heads * (head_dim / 16) < (int64_t(1) << 31),
+  CHECK_ARG(tokens * 2 * heads * (head_dim / 16) < (int64_t(1) << 31),
               "write_kv takes fewer than 2^31 / (2 * kv_heads * head_dim / 16) tokens per call, got ", tokens,
               " tokens of ", heads, " heads");
-  TORCH_CHECK(k_data.size(0) * k_data.size(1) < (int64_t(1) << 31), "write_kv needs fewer than 2^31 cache slots, got ",
+  CHECK_ARG(k_data.size(0) * k_data.size(1) < (int64_t(1) << 31), "write_kv needs fewer than 2^31 cache slots, got ",
               k_data.size(0) * k_data.size(1));
   nvfp4::WriteKVParams p{};
   p.key = key.data_ptr();
@@ -112,11 +135,11 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   p.page_size = k_data.size(1);
   p.num_slots = k_data.size(0) * k_data.size(1);
   p.dtype = query_type(key, "key");
-  TORCH_CHECK(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
+  CHECK_ARG(scale_rule == "6" || scale_rule == "6or4", "scale_rule must be \"6\" or \"6or4\", got ", scale_rule);
   p.scale_rule = scale_rule == "6or4" ? nvfp4::ScaleRule::kSixOrFour : nvfp4::ScaleRule::kSix;
   set_rotation(p, rotation, p.head_dim);
   const cudaError_t err = nvfp4::launch_write_kv(p, c10::cuda::getCurrentCUDAStream(key.device().index()));
-  TORCH_CHECK(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
+  CHECK_ARG(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
 
 void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
@@ -125,27 +148,27 @@ void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, c
   const c10::cuda::CUDAGuard guard(k_out.device());
   // lighter than check_cache: 8-byte data reads, single scale bytes (vLLM's inline pages qualify)
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
-    TORCH_CHECK(t->device() == k_out.device(), "cache tensors must be on ", k_out.device(), ", got ", t->device());
-    TORCH_CHECK(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
+    CHECK_ARG(t->device() == k_out.device(), "cache tensors must be on ", k_out.device(), ", got ", t->device());
+    CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
                 "cache tensors must be 4-D uint8 with a contiguous last dimension");
   }
-  TORCH_CHECK(k_data.strides() == v_data.strides() && k_sf.strides() == v_sf.strides(),
+  CHECK_ARG(k_data.strides() == v_data.strides() && k_sf.strides() == v_sf.strides(),
               "K and V cache tensors must have identical strides");
   for (const Tensor* t : {&k_data, &v_data})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 &&
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 &&
                     t->stride(2) % 8 == 0,
                 "gather_kv reads cache data in 8-byte pieces: pointers and strides must be multiples of 8");
-  TORCH_CHECK(k_out.sizes() == v_out.sizes() && k_out.dtype() == v_out.dtype() && k_out.is_contiguous() &&
+  CHECK_ARG(k_out.sizes() == v_out.sizes() && k_out.dtype() == v_out.dtype() && k_out.is_contiguous() &&
                   v_out.is_contiguous() && k_out.dim() == 3 && k_out.size(1) == k_data.size(2) &&
                   k_out.size(2) == 2 * k_data.size(3) && k_out.size(2) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(k_out.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(v_out.data_ptr()) % 16 == 0,
               "k_out and v_out must be contiguous [rows, num_kv_heads, head_dim] tensors of one dtype");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+  CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   block_table.stride(1) == 1 && out_start.scalar_type() == at::kLong && out_start.is_contiguous() &&
                   out_start.numel() == seq_lens.numel() && block_table.size(0) >= seq_lens.numel(),
               "block_table and seq_lens must be int32, out_start int64 with one entry per request");
-  TORCH_CHECK(seq_lens.numel() <= 65535, "gather_kv serves at most 65535 requests per call (one grid row each), got ",
+  CHECK_ARG(seq_lens.numel() <= 65535, "gather_kv serves at most 65535 requests per call (one grid row each), got ",
               seq_lens.numel());
   nvfp4::GatherKVParams p{};
   set_cache(p, k_data, k_sf, v_data, v_sf);
@@ -162,7 +185,7 @@ void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, c
   p.max_seq_len = max_seq_len;
   p.dtype = query_type(k_out, "k_out");
   const cudaError_t err = nvfp4::launch_gather_kv(p, c10::cuda::getCurrentCUDAStream(k_out.device().index()));
-  TORCH_CHECK(err == cudaSuccess, "nvfp4 gather_kv launch failed: ", cudaGetErrorString(err));
+  CHECK_ARG(err == cudaSuccess, "nvfp4 gather_kv launch failed: ", cudaGetErrorString(err));
 }
 
 void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
@@ -175,21 +198,21 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   check_cache(k_data, k_sf, v_data, v_sf, q.device());
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
   const int64_t batch = seq_lens.size(0), max_rows = max_query_len * group;
-  TORCH_CHECK(max_rows > 0 && max_rows <= nvfp4::decode_max_rows(head_dim), "max_query_len * group_size = ",
+  CHECK_ARG(max_rows > 0 && max_rows <= nvfp4::decode_max_rows(head_dim), "max_query_len * group_size = ",
               max_rows, " exceeds the decode kernel's ", nvfp4::decode_max_rows(head_dim), " rows at head_dim ",
               head_dim);
-  TORCH_CHECK(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+  CHECK_ARG(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
+  CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous() && block_table.stride(1) == 1,
               "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
-  TORCH_CHECK(num_splits >= 1 && num_splits <= nvfp4::kMaxSplits, "num_splits must lie in [1, ", nvfp4::kMaxSplits,
+  CHECK_ARG(num_splits >= 1 && num_splits <= nvfp4::kMaxSplits, "num_splits must lie in [1, ", nvfp4::kMaxSplits,
               "], got ", num_splits);
   const int64_t partial_floats = batch * num_kv_heads * num_splits * max_rows;
   if (num_splits > 1) {
-    TORCH_CHECK(workspace.numel() >= partial_floats * (head_dim + 2) * 4, "workspace too small: ",
+    CHECK_ARG(workspace.numel() >= partial_floats * (head_dim + 2) * 4, "workspace too small: ",
                 workspace.numel(), " bytes, need ", partial_floats * (head_dim + 2) * 4);
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, "workspace must be 16-byte aligned");
+    CHECK_ARG(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, "workspace must be 16-byte aligned");
   }
   nvfp4::DecodeParams p{};
   p.q = q.data_ptr();
@@ -224,7 +247,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.dtype = query_type(q, "q");
   if (batch == 0) return;
   const cudaError_t err = nvfp4::launch_paged_decode(p, c10::cuda::getCurrentCUDAStream(q.device().index()));
-  TORCH_CHECK(err == cudaSuccess, "nvfp4 paged_attention launch failed: ", cudaGetErrorString(err));
+  CHECK_ARG(err == cudaSuccess, "nvfp4 paged_attention launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
