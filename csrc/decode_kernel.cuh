@@ -160,6 +160,7 @@ struct Config {
   static constexpr int kSmemBytes = kQOffset + kQBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
+  static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
 };
 
@@ -284,7 +285,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // the copies go out before the query and table set-up, which they then overlap; in KV mode
   // "hadamard" the pipeline buffers first hold the rotated query rows
   if (!p.hadamard) issue_prologue();
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the first barrier
+  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the barrier before the tile loop
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
   // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);
@@ -385,7 +386,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int i = 0; i < 2; ++i)
       score_scale[t][i] = ldexpf(soft_cap ? qk_scale : qk_scale_log2, -__shfl_sync(0xffffffffu, row_exp, (2 * c + i) * 4));
   }
-  // the row warp's operands, stored by its first token warp; read after the pipeline's first barrier
+  // the row warp's operands, stored by its first token warp; read after the barrier before the tile loop
   uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + row_warp * kRowTiles * C::kKSteps * 32;
   if constexpr (C::kQInSmem) {
     if (token_warp == 0) {
@@ -406,9 +407,15 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // V: thread c holds tokens 4c..4c+3 (one padded group of 4 rows), head-dim bytes [g*kVChunk, +kVChunk)
   const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
 
+  __syncthreads();  // the scale table (and the Q operands in shared memory) are read by every warp
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();
+    // With one row warp, a warp reads only the 16 tokens of each stage that its own lanes copy
+    // (thread -> token threadIdx.x / 2, warp -> sub-tile token_warp), so a warp barrier orders its
+    // copies and its reads, and the warps need not wait for each other every tile.  Row warps
+    // share their sub-tiles and need the block's barrier.
+    if constexpr (C::kTokenWarps == kWarps) __syncwarp();
+    else __syncthreads();
     issue(tile + kStages - 1, next_page);
     next_page = page_of(tile + kStages);
     const uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
