@@ -12,26 +12,32 @@ namespace {
 
 using at::Tensor;
 
-// Error messages are assembled here with std::to_string, never through c10::str's std::ostream:
-// a toolchain that links libstdc++ statically into the extension (the H200 image's /opt/gcc does)
-// leaves the process two copies of the iostream locale facets, and formatting a number through an
-// ostream built by the extension's copy then crashes instead of raising (seen 2026-11-30).
+// Error messages are assembled here with std::to_string and reach TORCH_CHECK as one C string, so
+// no std::ostream of the extension's formats them: a toolchain that links libstdc++ statically into
+// the extension (the H200 image's /opt/gcc does) leaves the process two copies of the iostream locale
+// facets, and formatting a number through the extension's copy crashes instead of raising (seen
+// 2026-11-30).  Each argument type has its own overload; any other type does not compile (at::IntArrayRef
+// would otherwise take a double or an enum as a one-element array).
 std::string text(const char* s) { return s; }
+std::string text(const std::string& s) { return s; }
 std::string text(c10::string_view s) { return std::string(s.data(), s.size()); }
 std::string text(at::ScalarType t) { return c10::toString(t); }
 std::string text(const at::Device& d) { return d.str(); }  // formatted inside libc10
-std::string text(at::IntArrayRef a) {
+template <typename T, std::enable_if_t<std::is_same_v<T, at::IntArrayRef>, int> = 0>
+std::string text(const T& a) {
   std::string s = "[";
   for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
   return s + "]";
 }
-template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>, int> = 0>
 std::string text(T v) { return std::to_string(v); }
 template <typename First, typename Second, typename... Rest>
 std::string text(const First& first, const Second& second, const Rest&... rest) {
   return text(first) + text(second, rest...);
 }
-#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, text(__VA_ARGS__))
+#define CHECK_ARG(cond, ...) TORCH_CHECK(cond, text(__VA_ARGS__).c_str())
+// The CUDA guard's own check of a non-CUDA device formats through an ostream: check first
+#define CHECK_CUDA(t) CHECK_ARG((t).is_cuda(), #t " must be a CUDA tensor, got ", (t).device())
 
 nvfp4::QueryType query_type(const Tensor& t, const char* name) {
   CHECK_ARG(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, name,
@@ -100,6 +106,7 @@ int log2_exact(int64_t x, const char* name) {
 void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping, Tensor& k_data, Tensor& k_sf,
               Tensor& v_data, Tensor& v_sf, const Tensor& k_global, const Tensor& v_global,
               c10::string_view scale_rule, c10::string_view rotation) {
+  CHECK_CUDA(key);
   const c10::cuda::CUDAGuard guard(key.device());
   check_cache(k_data, k_sf, v_data, v_sf, key.device());
   CHECK_ARG(key.sizes() == value.sizes() && key.strides() == value.strides() && key.dtype() == value.dtype(),
@@ -145,6 +152,7 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
 void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
                const Tensor& block_table, const Tensor& seq_lens, const Tensor& out_start, int64_t max_seq_len,
                Tensor& k_out, Tensor& v_out) {
+  CHECK_CUDA(k_out);
   const c10::cuda::CUDAGuard guard(k_out.device());
   // lighter than check_cache: 8-byte data reads, single scale bytes (vLLM's inline pages qualify)
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
@@ -194,6 +202,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
                      double softmax_scale, int64_t sliding_window, double logits_soft_cap,
                      const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace,
                      c10::string_view rotation) {
+  CHECK_CUDA(q);
   const c10::cuda::CUDAGuard guard(q.device());
   check_cache(k_data, k_sf, v_data, v_sf, q.device());
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;

@@ -68,6 +68,7 @@ def _load_for(capability: tuple[int, int]):
     print(f"[nvfp4-backend] loading CUDA kernels {name} (the first build takes about a minute)...",
           file=sys.stderr, flush=True)
     load(name=name, sources=[str(src / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)],
+         extra_cflags=["-O3"],  # the binding: torch passes the host compiler no optimization level
          extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability) + extra_flags(), extra_include_paths=[str(src)],
          is_python_module=False, verbose=verbose)
     return torch.ops.nvfp4_backend_C

@@ -288,22 +288,27 @@ def test_many_splits(head_dim, sinks, q_len, gen):
 
 def test_binding_rejects_bad_arguments(gen):
     """The binding's own checks, behind the Python ops': too many splits, a misaligned split
-    workspace, too many rows, a bad scale rule are RuntimeErrors naming the argument (not a crash),
-    and nothing is written."""
+    workspace, too many rows, a float32 or CPU query, a bad scale rule are RuntimeErrors naming the
+    argument (not a crash), and nothing is written."""
     cache = make_cache("HND", 64, 16, 2, 128, DEV)
     fill_random(cache, gen)
     batch = make_batch([300, 40], [1, 1], 8, 128, 16, 64, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
     kernels = jit.load(torch.device(DEV))
     workspace = torch.empty(2 * 2 * (ops.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
-    # the messages that format numbers matter most: see text() in csrc/binding.cpp
-    for num_splits, ws, max_query_len, message in (
-            (ops.MAX_SPLITS + 1, workspace, 1, rf"num_splits must lie in \[1, {ops.MAX_SPLITS}\], got {ops.MAX_SPLITS + 1}"),
-            (2, workspace[4:], 1, "workspace must be 16-byte aligned"),
-            (1, workspace, 100, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128")):
-        out = torch.full_like(batch.q, float("nan"))
+    # the messages that format numbers, dtypes and devices matter most: see text() in csrc/binding.cpp
+    q32 = batch.q.float()
+    cases = [  # (q, num_splits, workspace, max_query_len, message)
+        (batch.q, ops.MAX_SPLITS + 1, workspace, 1,
+         rf"num_splits must lie in \[1, {ops.MAX_SPLITS}\], got {ops.MAX_SPLITS + 1}"),
+        (batch.q, 2, workspace[4:], 1, "workspace must be 16-byte aligned"),
+        (batch.q, 1, workspace, 100, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128"),
+        (q32, 1, workspace, 1, "q must be float16 or bfloat16, got Float"),
+        (batch.q.cpu(), 1, workspace, 1, "q must be a CUDA tensor, got cpu")]
+    for q, num_splits, ws, max_query_len, message in cases:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
         with pytest.raises(RuntimeError, match=message):
-            kernels.paged_attention(out, batch.q, *cache.tensors(), batch.block_table, batch.seq_lens,
+            kernels.paged_attention(out, q, *cache.tensors(), batch.block_table, batch.seq_lens,
                                     batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, max_query_len, num_splits, ws,
                                     "none")
         torch.cuda.synchronize()
