@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
 # COMMIT=<hash> names the commit in gpu.txt (the device copy's git metadata can lag the work tree).
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|all][,mode...] [extra args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|ab|all][,mode...] [extra args]
 # Several modes, comma-separated, run in one call in the order given.
 set -o pipefail
 modes=${1:-all}; shift || true
@@ -75,6 +75,19 @@ case $mode in
       python3 scripts/profile_kernels.py 2>&1 | tail -3
     ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
     grep -E "paged_decode_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
+esac
+case $mode in
+  ab)  # the tree against the revisions in ab/ (scripts/ab_export.sh; carry ["ab"]), each its own build,
+       # the tree first and again last (in one call the order alone moves a result 1-2 %)
+    abbench() { python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
+                  --grid ${AB_GRID:-64x8192,256x2048,1x131072,128x512} ${AB_ARGS:---spec-q-len 4} --out "$OUT/ab_$1.json" 2>&1 \
+                  | grep "^B=\|^write_kv" | sed "s/^/[$1] /"; }
+    cat ab/REFS; abbench tree
+    for d in ab/*/; do
+      n=$(basename "$d"); rm -rf "/tmp/ab_$n" && cp -r "$d" "/tmp/ab_$n"
+      (cd "/tmp/ab_$n" && PYTHONPATH="/tmp/ab_$n" TORCH_EXTENSIONS_DIR="/tmp/te_ab_$n" abbench "$n")
+    done
+    abbench tree_again ;;
 esac
 case $mode in
   sanitize)
