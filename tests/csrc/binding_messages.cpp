@@ -1,0 +1,69 @@
+// The binding's error messages on the host, without a GPU: csrc/binding.cpp is included whole (its
+// checks live in an anonymous namespace), the launchers are stubs that must not be reached, and the
+// CUDA headers it needs from torch come from c10_cuda_stub/.  Prints "ok: N checks" or the first
+// mismatch (exit 1).  Built and run by tests/test_binding_host.py.
+#include "../../csrc/binding.cpp"
+
+#include <ATen/ATen.h>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+namespace nvfp4 {
+cudaError_t launch_write_kv(const WriteKVParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_gather_kv(const GatherKVParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_decode(const DecodeParams&, cudaStream_t) { std::abort(); }
+int decode_max_rows(int head_dim) { return head_dim == 256 ? 32 : 64; }
+}  // namespace nvfp4
+
+static int checks = 0;
+
+static bool expect_text(const std::string& got, const std::string& want) {
+  ++checks;
+  if (got == want) return true;
+  std::printf("text: got \"%s\", want \"%s\"\n", got.c_str(), want.c_str());
+  return false;
+}
+
+static bool expect_error(const std::function<void()>& call, const std::string& want) {
+  ++checks;
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    if (e.what_without_backtrace() == want) return true;
+    std::printf("error: got \"%s\", want \"%s\"\n", e.what_without_backtrace(), want.c_str());
+    return false;
+  }
+  std::printf("error: no exception, want \"%s\"\n", want.c_str());
+  return false;
+}
+
+int main() {
+  const std::vector<int64_t> dims{1, 16, 2048};
+  const at::Tensor cpu = at::zeros({2, 3, 64}, at::kHalf);
+  const at::Tensor bytes = at::zeros({4, 16, 2, 32}, at::kByte);
+  const at::Tensor ints = at::zeros({2}, at::kInt);
+  const at::Tensor scalar = at::zeros({}, at::kFloat);
+  bool ok = true;
+  ok &= expect_text(text("num_splits must lie in [1, ", nvfp4::kMaxSplits, "], got ", int64_t(8193)),
+                    "num_splits must lie in [1, 8192], got 8193");
+  ok &= expect_text(text(at::IntArrayRef(dims), " ", cpu.sizes(), " ", size_t(7), " ", -3), "[1, 16, 2048] [2, 3, 64] 7 -3");
+  ok &= expect_text(text(at::kBFloat16, " ", c10::Device("cpu"), " ", c10::string_view("6or4"), " ", std::string("s")),
+                    "BFloat16 cpu 6or4 s");
+  ok &= expect_error([] { CHECK_ARG(1 + 1 == 3, "n = ", 5, " of ", at::IntArrayRef({4, 5})); }, "n = 5 of [4, 5]");
+  // the real entry points, on CPU tensors: their first check
+  ok &= expect_error([&] {
+    at::Tensor out = cpu.clone(), ws = bytes.view(-1);
+    paged_attention(out, cpu, bytes, bytes, bytes, bytes, ints.view({1, 2}), ints, ints, scalar, scalar, 0.1, 0, 0.0,
+                    std::nullopt, 1, 1, ws, "none");
+  }, "q must be a CUDA tensor, got cpu");
+  ok &= expect_error([&] {
+    at::Tensor b = bytes.clone();
+    write_kv(cpu, cpu, ints.to(at::kLong), b, b, b, b, scalar, scalar, "6", "none");
+  }, "key must be a CUDA tensor, got cpu");
+  ok &= expect_error([&] { query_type(scalar, "q"); }, "q must be float16 or bfloat16, got Float");
+  ok &= expect_error([&] { log2_exact(24, "page_size"); }, "page_size must be a power of two, got 24");
+  if (!ok) return 1;
+  std::printf("ok: %d checks\n", checks);
+  return 0;
+}
