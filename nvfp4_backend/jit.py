@@ -1,14 +1,19 @@
 """Build and load the CUDA kernels (csrc/) on first use, through torch's ninja-based JIT.
 
 The build is cached per torch version, CUDA version and GPU architecture (one module name per
-combination), so a second process loads it at once.  ``NVFP4_BACKEND_KERNELS=0`` forces the
-reference path; ``NVFP4_BACKEND_VERBOSE_BUILD=1`` shows the compiler.
+combination), so a second process loads it at once.  An ahead-of-time build (setup.py,
+``NVFP4_BACKEND_AOT=1``) is used instead where it serves the device, torch and CUDA at hand
+(``NVFP4_BACKEND_PREBUILT=0`` ignores it).  ``NVFP4_BACKEND_KERNELS=0`` forces the reference path;
+``NVFP4_BACKEND_VERBOSE_BUILD=1`` shows the compiler.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -59,8 +64,48 @@ def module_name(capability: tuple[int, int]) -> str:
     return name
 
 
+PREBUILT = "nvfp4_backend._C"
+"""The ahead-of-time build (setup.py with NVFP4_BACKEND_AOT=1), with its _C.json beside it."""
+
+
+def prebuilt_serves(info: dict, capability: tuple[int, int]) -> bool:
+    """Whether an ahead-of-time build (its _C.json) runs here: the same torch and CUDA, and SASS
+    for this arch or PTX for an arch at or below it (TORCH_CUDA_ARCH_LIST syntax, e.g. "8.0;9.0+PTX")."""
+    if info.get("torch") != torch.__version__ or info.get("cuda") != torch.version.cuda:
+        return False
+    for major, minor, ptx in re.findall(r"(\d+)\.(\d+)(\+PTX)?", info.get("archs", "")):
+        arch = (int(major), int(minor))
+        if arch == capability or (ptx and arch <= capability):
+            return True
+    return False
+
+
+def _prebuilt(capability: tuple[int, int]) -> Path | None:
+    """The ahead-of-time build's library if one is installed and serves this device; None otherwise."""
+    if os.environ.get("NVFP4_BACKEND_PREBUILT", "1") == "0":
+        return None
+    spec = importlib.util.find_spec(PREBUILT)
+    if spec is None or spec.origin is None:
+        return None
+    library = Path(spec.origin)
+    try:
+        info = json.loads(library.with_name("_C.json").read_text())
+    except (OSError, ValueError):
+        info = {}
+    if prebuilt_serves(info, capability):
+        return library
+    print(f"[nvfp4-backend] the prebuilt kernels ({info or 'no _C.json'}) do not serve sm_{capability[0]}{capability[1]} "
+          f"with torch {torch.__version__}, CUDA {torch.version.cuda}: building them for this machine",
+          file=sys.stderr, flush=True)
+    return None
+
+
 @functools.cache
 def _load_for(capability: tuple[int, int]):
+    library = _prebuilt(capability)
+    if library is not None:
+        torch.ops.load_library(str(library))  # registers torch.ops.nvfp4_backend_C
+        return torch.ops.nvfp4_backend_C
     from torch.utils.cpp_extension import load
     src = csrc_dir()
     name = module_name(capability)

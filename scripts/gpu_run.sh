@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
 # COMMIT=<hash> names the commit in gpu.txt (the device copy's git metadata can lag the work tree).
-#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|ab|all][,mode...] [extra args]
+#   bash scripts/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|ab|aot|all][,mode...] [extra args]
 # Several modes, comma-separated, run in one call in the order given.
 set -o pipefail
 modes=${1:-all}; shift || true
@@ -88,6 +88,20 @@ case $mode in
       (cd "/tmp/ab_$n" && PYTHONPATH="/tmp/ab_$n" TORCH_EXTENSIONS_DIR="/tmp/te_ab_$n" abbench "$n")
     done
     abbench tree_again ;;
+esac
+case $mode in
+  aot)  # the ahead-of-time build (setup.py) for this GPU's arch as a wheel, installed apart, and GPU tests on it
+    arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    rm -rf /tmp/aot /tmp/aot_wheel
+    NVFP4_BACKEND_AOT=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-16} python3 -m pip wheel -q --no-build-isolation \
+      --no-deps -w /tmp/aot_wheel . 2>&1 | tee "$OUT/aot_build.log" | tail -3
+    python3 -m pip install -q --no-deps --no-index --target /tmp/aot /tmp/aot_wheel/*.whl
+    repo=$PWD
+    (cd /tmp && export PYTHONPATH=/tmp/aot:/tmp/site
+     python3 -c "import sys, torch, nvfp4_backend.jit as j; p = j._prebuilt(torch.cuda.get_device_capability()); print('prebuilt:', p); sys.exit(p is None)" &&
+     python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_kernels_gpu.py" \
+       -k "(test_decode_matrix and -16-4-1) or (test_write_kv_bit_exact and dtype0 and -HND) or binding_rejects" 2>&1 \
+       | tee "$OUT/aot_tests.log" | tail -3) ;;
 esac
 case $mode in
   sanitize)

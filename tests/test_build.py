@@ -1,0 +1,90 @@
+"""The build, on a CPU-only machine: the CUDA binding's host side (csrc/binding.cpp compiled against
+this torch's headers, CUDA headers stubbed by tests/csrc/c10_cuda_stub, its error messages checked
+without a GPU; CI's torch has no CUDA headers, so a compile error in the binding shows here first),
+and the choice between an ahead-of-time build (setup.py) and the JIT build."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+from nvfp4_backend import jit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cuda_include() -> Path | None:
+    nvcc = shutil.which("nvcc")
+    for base in ([Path(nvcc).resolve().parent.parent] if nvcc else []) + [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))]:
+        if (base / "include" / "cuda_runtime.h").exists():
+            return base / "include"
+    return None
+
+
+def test_binding_error_messages_on_the_host(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    cuda_include = _cuda_include()
+    if cxx is None or cuda_include is None:
+        pytest.skip("needs a C++ compiler and the CUDA runtime headers (nvcc's toolkit)")
+    lib = Path(torch.__file__).resolve().parent / "lib"
+    exe = tmp_path / "binding_messages"
+    cmd = [cxx, "-O1", "-std=c++17", "-w", f"-I{ROOT / 'tests' / 'csrc' / 'c10_cuda_stub'}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{cuda_include}", f"-I{ROOT / 'csrc'}",
+           str(ROOT / "tests" / "csrc" / "binding_messages.cpp"), "-o", str(exe),
+           f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
+    subprocess.run(cmd, check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("ok: 8 checks"), res.stdout + res.stderr
+
+
+def _info(archs, **kw):
+    return dict(archs=archs, torch=torch.__version__, cuda=torch.version.cuda) | kw
+
+
+@pytest.mark.parametrize("info, capability, serves", [
+    (_info("8.0;9.0;12.0"), (9, 0), True),
+    (_info("8.0 9.0"), (12, 0), False),             # SASS only for older archs
+    (_info("8.0;9.0+PTX"), (12, 0), True),          # PTX at or below the device's arch
+    (_info("12.0+PTX"), (9, 0), False),             # PTX above it
+    (_info("9.0", torch="0.0.1"), (9, 0), False),   # another torch
+    (_info("9.0", cuda="99.9"), (9, 0), False),     # another CUDA
+    ({}, (9, 0), False),                            # no _C.json
+])
+def test_prebuilt_serves(info, capability, serves):
+    assert jit.prebuilt_serves(info, capability) is serves
+
+
+def test_prebuilt_is_chosen_only_where_it_serves(tmp_path, monkeypatch, capsys):
+    library = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    library.write_bytes(b"")
+    monkeypatch.setattr(jit.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(origin=str(library)) if name == jit.PREBUILT else None)
+    (tmp_path / "_C.json").write_text(json.dumps(_info("9.0")))
+    assert jit._prebuilt((9, 0)) == library
+    assert jit._prebuilt((8, 0)) is None
+    assert "do not serve sm_80" in capsys.readouterr().err
+    monkeypatch.setenv("NVFP4_BACKEND_PREBUILT", "0")
+    assert jit._prebuilt((9, 0)) is None
+    monkeypatch.delenv("NVFP4_BACKEND_PREBUILT")
+    (tmp_path / "_C.json").unlink()
+    assert jit._prebuilt((9, 0)) is None                # a library without its _C.json is not trusted
+    monkeypatch.setattr(jit.importlib.util, "find_spec", lambda name: None)
+    assert jit._prebuilt((9, 0)) is None                # no ahead-of-time build installed
+
+
+def test_setup_without_aot_is_pure_python_and_aot_needs_archs():
+    env = {k: v for k, v in os.environ.items() if k not in ("NVFP4_BACKEND_AOT", "TORCH_CUDA_ARCH_LIST")}
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "nvfp4-backend", res.stderr
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env | {"NVFP4_BACKEND_AOT": "1"},
+                         capture_output=True, text=True)
+    want = "needs TORCH_CUDA_ARCH_LIST" if torch.version.cuda else "needs a CUDA build of torch"
+    assert res.returncode != 0 and want in res.stderr, res.stderr
