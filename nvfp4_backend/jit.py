@@ -65,55 +65,97 @@ def module_name(capability: tuple[int, int]) -> str:
 
 
 PREBUILT = "nvfp4_backend._C"
-"""The ahead-of-time build (setup.py with NVFP4_BACKEND_AOT=1), with its _C.json beside it."""
+"""The ahead-of-time build (setup.py with NVFP4_BACKEND_AOT=1), with PREBUILT_INFO beside it."""
+PREBUILT_INFO = "_C.json"
+
+
+def sources_digest(src: Path) -> str:
+    """sha256 of csrc/ (every file, by name): a prebuilt library of other sources is not used."""
+    import hashlib
+    digest = hashlib.sha256()
+    for path in sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def prebuilt_info(gencode_flags: list[str]) -> dict:
+    """What _C.json records of an ahead-of-time build (setup.py writes it, _prebuilt reads it): the
+    -gencode flags torch built with, torch, CUDA, and the sources' digest."""
+    return dict(gencode=list(gencode_flags), torch=torch.__version__, cuda=torch.version.cuda,
+                sources=sources_digest(csrc_dir()))
 
 
 def prebuilt_serves(info: dict, capability: tuple[int, int]) -> bool:
-    """Whether an ahead-of-time build (its _C.json) runs here: the same torch and CUDA, and SASS
-    for this arch or PTX for an arch at or below it (TORCH_CUDA_ARCH_LIST syntax, e.g. "8.0;9.0+PTX")."""
-    if info.get("torch") != torch.__version__ or info.get("cuda") != torch.version.cuda:
+    """Whether an ahead-of-time build runs here and is of these sources: the same torch, CUDA and
+    csrc/, and for this arch either a cubin of the same major and a minor at or below it (sm_80
+    runs on sm_86 and sm_89), an arch-specific cubin of exactly it (sm_90a), or PTX at or below it."""
+    if not isinstance(info, dict) or info.get("torch") != torch.__version__ or info.get("cuda") != torch.version.cuda:
         return False
-    for major, minor, ptx in re.findall(r"(\d+)\.(\d+)(\+PTX)?", info.get("archs", "")):
-        arch = (int(major), int(minor))
-        if arch == capability or (ptx and arch <= capability):
+    if info.get("sources") != sources_digest(csrc_dir()):
+        return False
+    for flag in info.get("gencode", []):
+        m = re.search(r"code=(sm|compute)_(\d+)(\d)([af]?)$", str(flag))
+        if not m:
+            continue
+        kind, arch, specific = m[1], (int(m[2]), int(m[3])), m[4]
+        if (arch == capability if specific else
+                arch[0] == capability[0] and arch[1] <= capability[1] if kind == "sm" else arch <= capability):
             return True
     return False
 
 
 def _prebuilt(capability: tuple[int, int]) -> Path | None:
     """The ahead-of-time build's library if one is installed and serves this device; None otherwise."""
-    if os.environ.get("NVFP4_BACKEND_PREBUILT", "1") == "0":
+    if os.environ.get("NVFP4_BACKEND_PREBUILT", "1") == "0" or extra_flags():
         return None
     spec = importlib.util.find_spec(PREBUILT)
     if spec is None or spec.origin is None:
         return None
     library = Path(spec.origin)
     try:
-        info = json.loads(library.with_name("_C.json").read_text())
+        info = json.loads(library.with_name(PREBUILT_INFO).read_text())
     except (OSError, ValueError):
-        info = {}
+        info = None
     if prebuilt_serves(info, capability):
         return library
-    print(f"[nvfp4-backend] the prebuilt kernels ({info or 'no _C.json'}) do not serve sm_{capability[0]}{capability[1]} "
-          f"with torch {torch.__version__}, CUDA {torch.version.cuda}: building them for this machine",
+    print(f"[nvfp4-backend] the prebuilt kernels ({library.name}) are not for sm_{capability[0]}{capability[1]}, torch "
+          f"{torch.__version__}, CUDA {torch.version.cuda} and these sources: building them for this machine",
           file=sys.stderr, flush=True)
     return None
+
+
+_loaded: dict[str, str] = {}   # the one kernel library of this process: {"library": path or JIT name}
+
+
+def _register_once(library: str) -> None:
+    """Each library registers the namespace nvfp4_backend_C, and a second registration aborts the
+    process; so one library per process (a fat prebuilt one serves several archs)."""
+    if _loaded.setdefault("library", library) != library:
+        raise RuntimeError(f"nvfp4-backend: the kernels are already loaded from {_loaded['library']}; "
+                           f"a second GPU arch needs {library}, and one process holds one kernel library")
 
 
 @functools.cache
 def _load_for(capability: tuple[int, int]):
     library = _prebuilt(capability)
     if library is not None:
-        torch.ops.load_library(str(library))  # registers torch.ops.nvfp4_backend_C
-        return torch.ops.nvfp4_backend_C
+        _register_once(str(library))
+        try:
+            torch.ops.load_library(str(library))  # registers torch.ops.nvfp4_backend_C
+            return torch.ops.nvfp4_backend_C
+        except OSError as exc:  # dlopen failed (e.g. a newer libstdc++): nothing was registered
+            _loaded.clear()
+            print(f"[nvfp4-backend] the prebuilt kernels do not load ({exc}): building them for this machine",
+                  file=sys.stderr, flush=True)
     from torch.utils.cpp_extension import load
     src = csrc_dir()
     name = module_name(capability)
+    _register_once(name)
     verbose = os.environ.get("NVFP4_BACKEND_VERBOSE_BUILD") == "1"
     print(f"[nvfp4-backend] loading CUDA kernels {name} (the first build takes about a minute)...",
           file=sys.stderr, flush=True)
     load(name=name, sources=[str(src / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)],
-         extra_cflags=["-O3"],  # the binding: torch passes the host compiler no optimization level
+         extra_cflags=["-O3", "-g0"],  # the binding: torch passes the host compiler no optimization level
          extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability) + extra_flags(), extra_include_paths=[str(src)],
          is_python_module=False, verbose=verbose)
     return torch.ops.nvfp4_backend_C

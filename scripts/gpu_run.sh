@@ -93,8 +93,9 @@ case $mode in
   aot)  # the ahead-of-time build (setup.py) for this GPU's arch as a wheel, installed apart, and GPU tests on it
     arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
     rm -rf /tmp/aot /tmp/aot_wheel
+    python3 -c "import setuptools; print('setuptools', setuptools.__version__)"  # --no-build-isolation: >= 70.1 or the wheel package
     NVFP4_BACKEND_AOT=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=${MAX_JOBS:-16} python3 -m pip wheel -q --no-build-isolation \
-      --no-deps -w /tmp/aot_wheel . 2>&1 | tee "$OUT/aot_build.log" | tail -3
+      --no-deps -w /tmp/aot_wheel . > "$OUT/aot_build.log" 2>&1 || { tail -5 "$OUT/aot_build.log"; echo "aot: the wheel build failed"; continue; }
     python3 -m pip install -q --no-deps --no-index --target /tmp/aot /tmp/aot_wheel/*.whl
     repo=$PWD
     (cd /tmp && export PYTHONPATH=/tmp/aot:/tmp/site

@@ -45,18 +45,23 @@ def test_binding_error_messages_on_the_host(tmp_path):
     assert res.returncode == 0 and res.stdout.startswith("ok: 8 checks"), res.stdout + res.stderr
 
 
-def _info(archs, **kw):
-    return dict(archs=archs, torch=torch.__version__, cuda=torch.version.cuda) | kw
+def _info(*codes, **kw):
+    """What setup.py records for -gencode flags with these code= targets."""
+    return jit.prebuilt_info([f"-gencode=arch=compute_{c.split('_')[1]},code={c}" for c in codes]) | kw
 
 
 @pytest.mark.parametrize("info, capability, serves", [
-    (_info("8.0;9.0;12.0"), (9, 0), True),
-    (_info("8.0 9.0"), (12, 0), False),             # SASS only for older archs
-    (_info("8.0;9.0+PTX"), (12, 0), True),          # PTX at or below the device's arch
-    (_info("12.0+PTX"), (9, 0), False),             # PTX above it
-    (_info("9.0", torch="0.0.1"), (9, 0), False),   # another torch
-    (_info("9.0", cuda="99.9"), (9, 0), False),     # another CUDA
-    ({}, (9, 0), False),                            # no _C.json
+    (_info("sm_80", "sm_90", "sm_120"), (9, 0), True),
+    (_info("sm_80"), (8, 9), True),                  # a cubin runs on its major's later minors
+    (_info("sm_80", "sm_90"), (12, 0), False),       # not on another major
+    (_info("sm_90a"), (9, 0), True),                 # arch-specific: that arch only
+    (_info("sm_90a"), (10, 0), False),
+    (_info("sm_80", "compute_90"), (12, 0), True),   # PTX at or below the device's arch
+    (_info("compute_120"), (9, 0), False),           # PTX above it
+    (_info("sm_90", torch="0.0.1"), (9, 0), False),  # another torch
+    (_info("sm_90", cuda="99.9"), (9, 0), False),    # another CUDA
+    (_info("sm_90", sources="0" * 64), (9, 0), False),  # other sources (an edited checkout)
+    ({}, (9, 0), False), ([], (9, 0), False), (None, (9, 0), False),  # no or a malformed _C.json
 ])
 def test_prebuilt_serves(info, capability, serves):
     assert jit.prebuilt_serves(info, capability) is serves
@@ -67,17 +72,38 @@ def test_prebuilt_is_chosen_only_where_it_serves(tmp_path, monkeypatch, capsys):
     library.write_bytes(b"")
     monkeypatch.setattr(jit.importlib.util, "find_spec",
                         lambda name: types.SimpleNamespace(origin=str(library)) if name == jit.PREBUILT else None)
-    (tmp_path / "_C.json").write_text(json.dumps(_info("9.0")))
+    (tmp_path / jit.PREBUILT_INFO).write_text(json.dumps(_info("sm_90")))
     assert jit._prebuilt((9, 0)) == library
     assert jit._prebuilt((8, 0)) is None
-    assert "do not serve sm_80" in capsys.readouterr().err
+    assert "not for sm_80" in capsys.readouterr().err
     monkeypatch.setenv("NVFP4_BACKEND_PREBUILT", "0")
     assert jit._prebuilt((9, 0)) is None
     monkeypatch.delenv("NVFP4_BACKEND_PREBUILT")
-    (tmp_path / "_C.json").unlink()
+    monkeypatch.setenv("NVFP4_BACKEND_NVCC_FLAGS", "-DAB_X")  # an experiment's flags: its own build
+    assert jit._prebuilt((9, 0)) is None
+    monkeypatch.delenv("NVFP4_BACKEND_NVCC_FLAGS")
+    (tmp_path / jit.PREBUILT_INFO).unlink()
     assert jit._prebuilt((9, 0)) is None                # a library without its _C.json is not trusted
     monkeypatch.setattr(jit.importlib.util, "find_spec", lambda name: None)
     assert jit._prebuilt((9, 0)) is None                # no ahead-of-time build installed
+
+
+def test_one_kernel_library_per_process(monkeypatch):
+    monkeypatch.setattr(jit, "_loaded", {})
+    jit._register_once("nvfp4_backend_C_sm90")
+    jit._register_once("nvfp4_backend_C_sm90")          # the same library again is fine
+    with pytest.raises(RuntimeError, match="one process holds one kernel library"):
+        jit._register_once("nvfp4_backend_C_sm80")
+
+
+def test_sources_digest_follows_the_sources(tmp_path):
+    for name in ("a.cu", "b.h", "notes.txt"):
+        (tmp_path / name).write_text(name)
+    before = jit.sources_digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("changed")      # not a source
+    assert jit.sources_digest(tmp_path) == before
+    (tmp_path / "b.h").write_text("changed")
+    assert jit.sources_digest(tmp_path) != before
 
 
 def test_setup_without_aot_is_pure_python_and_aot_needs_archs():
