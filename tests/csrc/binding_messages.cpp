@@ -1,7 +1,7 @@
 // The binding's error messages on the host, without a GPU: csrc/binding.cpp is included whole (its
 // checks live in an anonymous namespace), the launchers are stubs that must not be reached, and the
 // CUDA headers it needs from torch come from c10_cuda_stub/.  Prints "ok: N checks" or the first
-// mismatch (exit 1).  Built and run by tests/test_binding_host.py.
+// mismatch (exit 1).  Built and run by tests/test_build.py.
 #include "../../csrc/binding.cpp"
 
 #include <ATen/ATen.h>
