@@ -24,7 +24,6 @@ def aot_build() -> dict:
         return {}
     import torch
     from torch.utils import cpp_extension
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     sys.path.insert(0, str(ROOT))  # a PEP 517 build runs this file without the project on the path
     from nvfp4_backend import jit  # the one list of sources and flags
@@ -33,7 +32,7 @@ def aot_build() -> dict:
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         raise SystemExit("NVFP4_BACKEND_AOT=1 needs TORCH_CUDA_ARCH_LIST, e.g. \"8.0;9.0;12.0\"")
 
-    class BuildWithInfo(BuildExtension):
+    class BuildWithInfo(cpp_extension.BuildExtension):
         """Writes jit.PREBUILT_INFO beside the library: the -gencode flags torch used, torch, CUDA and
         the sources' digest, which jit.prebuilt_serves checks before loading it."""
         def run(self):
@@ -42,9 +41,10 @@ def aot_build() -> dict:
             Path(self.get_ext_fullpath(jit.PREBUILT)).with_name(jit.PREBUILT_INFO).write_text(json.dumps(info))
 
     csrc = "csrc"  # relative: setuptools wants sources inside the project
-    ext = CUDAExtension(jit.PREBUILT, sources=[f"{csrc}/{s}" for s in (jit.BINDING_SOURCE, *jit.KERNEL_SOURCES)],
-                        include_dirs=[str(ROOT / csrc)],
-                        extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": jit.NVCC_FLAGS})
+    ext = cpp_extension.CUDAExtension(jit.PREBUILT, sources=[f"{csrc}/{s}" for s in (jit.BINDING_SOURCE, *jit.KERNEL_SOURCES)],
+                                      include_dirs=[str(ROOT / csrc)],
+                                      # copies: BuildExtension appends its own flags to these lists
+                                      extra_compile_args={"cxx": list(jit.CXX_FLAGS), "nvcc": list(jit.NVCC_FLAGS)})
     return dict(ext_modules=[ext], cmdclass={"build_ext": BuildWithInfo})
 
 

@@ -9,6 +9,7 @@ combination), so a second process loads it at once.  An ahead-of-time build (set
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -49,6 +50,10 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
               "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
 
 
+CXX_FLAGS = ["-O3", "-g0"]
+"""Host compiler flags for the binding (torch passes the host compiler no optimization level)."""
+
+
 def extra_flags() -> list[str]:
     """``NVFP4_BACKEND_NVCC_FLAGS``: extra nvcc flags for experiments (they get their own build)."""
     return os.environ.get("NVFP4_BACKEND_NVCC_FLAGS", "").split()
@@ -59,8 +64,7 @@ def module_name(capability: tuple[int, int]) -> str:
     cv = (torch.version.cuda or "none").replace(".", "_")
     name = f"nvfp4_backend_C_torch{tv}_cu{cv}_sm{capability[0]}{capability[1]}"
     if extra_flags():
-        import hashlib
-        name += "_" + hashlib.sha1(" ".join(extra_flags()).encode()).hexdigest()[:8]
+            name += "_" + hashlib.sha1(" ".join(extra_flags()).encode()).hexdigest()[:8]
     return name
 
 
@@ -71,7 +75,6 @@ PREBUILT_INFO = "_C.json"
 
 def sources_digest(src: Path) -> str:
     """sha256 of csrc/ (every file, by name): a prebuilt library of other sources is not used."""
-    import hashlib
     digest = hashlib.sha256()
     for path in sorted(p for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -155,7 +158,7 @@ def _load_for(capability: tuple[int, int]):
     print(f"[nvfp4-backend] loading CUDA kernels {name} (the first build takes about a minute)...",
           file=sys.stderr, flush=True)
     load(name=name, sources=[str(src / s) for s in (BINDING_SOURCE, *KERNEL_SOURCES)],
-         extra_cflags=["-O3", "-g0"],  # the binding: torch passes the host compiler no optimization level
+         extra_cflags=list(CXX_FLAGS),
          extra_cuda_cflags=NVCC_FLAGS + arch_flags(capability) + extra_flags(), extra_include_paths=[str(src)],
          is_python_module=False, verbose=verbose)
     return torch.ops.nvfp4_backend_C
