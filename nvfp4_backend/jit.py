@@ -33,11 +33,15 @@ dequantize + dense attention path."""
 
 
 def csrc_dir() -> Path:
-    repo = Path(__file__).resolve().parent.parent / "csrc"
-    if (repo / BINDING_SOURCE).exists():
-        return repo
-    from importlib.resources import files
-    return Path(str(files("nvfp4_backend.csrc")))
+    """The kernel sources: a checkout's csrc/, or the copy an installed wheel holds in the package
+    (pyproject's package-dir; a namespace package, so importlib.resources would hand back a
+    MultiplexedPath, not a directory)."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "csrc", package / "csrc"):
+        if (candidate / BINDING_SOURCE).exists():
+            return candidate
+    raise FileNotFoundError(f"the kernel sources ({BINDING_SOURCE}) are in neither {package.parent / 'csrc'} "
+                            f"nor {package / 'csrc'}")
 
 
 def arch_flags(capability: tuple[int, int]) -> list[str]:

@@ -114,3 +114,21 @@ def test_setup_without_aot_is_pure_python_and_aot_needs_archs():
                          capture_output=True, text=True)
     want = "needs TORCH_CUDA_ARCH_LIST" if torch.version.cuda else "needs a CUDA build of torch"
     assert res.returncode != 0 and want in res.stderr, res.stderr
+
+
+def test_an_installed_wheel_finds_its_kernel_sources(tmp_path):
+    """Where the JIT and a prebuilt library's digest look for csrc/ once installed (not a checkout):
+    the package's own copy, with the checkout's digest."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NVFP4_BACKEND_AOT", "TORCH_CUDA_ARCH_LIST")}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                    "-w", str(tmp_path / "wheel"), str(ROOT)], check=True, env=env)
+    (wheel,) = (tmp_path / "wheel").glob("nvfp4_backend-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(tmp_path / "site"), str(wheel)], check=True)
+    probe = ("import nvfp4_backend.jit as j; d = j.csrc_dir(); print(d); print(j.sources_digest(d))")
+    res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                         env=env | {"PYTHONPATH": str(tmp_path / "site")})
+    assert res.returncode == 0, res.stderr
+    where, digest = res.stdout.split()
+    assert Path(where) == tmp_path / "site" / "nvfp4_backend" / "csrc"
+    assert digest == jit.sources_digest(ROOT / "csrc")
