@@ -49,12 +49,44 @@ NVFP4_HOST_DEVICE float saturate(float x) {
 // 0, 1)) for a = |q|.  Each clamped piece is exact (a scaled by a power of two, minus a value of its
 // binade), and each is added onto 2^23 + an even partial sum whenever it is nonzero, so the
 // hardware's round-to-nearest-even at the integer grid of 2^23 breaks ties as the format does.
-NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
+// 2^23 + the magnitude code of q: its bits are 0x4B000000 | code.
+NVFP4_HOST_DEVICE float e2m1_magnitude_on_2p23(float q) {
   const float a = std::fabs(q);
   float t = fmaf(saturate(a * 0.5f), 4.0f, 8388608.0f);  // 2^23 + rint(2 min(a, 2))
   t = fmaf(saturate(fmaf(a, 0.5f, -1.0f)), 2.0f, t);     // + rint(clamp(a - 2, 0, 2))
   t += saturate(fmaf(a, 0.5f, -2.0f));                    // + rint(clamp((a - 4) / 2, 0, 1))
-  return (bit_cast<uint32_t>(t) & 0x7u) | ((bit_cast<uint32_t>(q) >> 28) & 0x8u);
+  return t;
+}
+NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
+  return (bit_cast<uint32_t>(e2m1_magnitude_on_2p23(q)) & 0x7u) | ((bit_cast<uint32_t>(q) >> 28) & 0x8u);
+}
+
+// __byte_perm (default mode) on the host too, so the CPU test runs the device's packing logic.
+NVFP4_HOST_DEVICE uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t bytes = (uint64_t(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+#endif
+}
+
+// The codes of 8 values in one word (value k in bits 4k..4k+3), as e2m1_code each, in about 17
+// instructions instead of 32: the magnitudes add up as whole words, 0x4B000000 | code shifted by
+// 4k, and the eight shifted 0x4B000000 sum to a constant (0xFB000000 mod 2^32) that is taken off
+// once; the signs are the top bytes of the values, gathered by byte permutes onto bits 7, 15, 23,
+// 31 (odd values) and, shifted by 4, onto 3, 11, 19, 27 (even values).
+NVFP4_HOST_DEVICE uint32_t e2m1_pack8(const float* q) {
+  uint32_t magnitudes = 0u - 0xFB000000u;
+  for (int k = 0; k < 8; ++k) magnitudes += bit_cast<uint32_t>(e2m1_magnitude_on_2p23(q[k])) << (4 * k);
+  const auto top_bytes = [&](int first) {  // byte 3 of q[first], q[first + 2], q[first + 4], q[first + 6]
+    const uint32_t lo = byte_perm(bit_cast<uint32_t>(q[first]), bit_cast<uint32_t>(q[first + 2]), 0x0073u);
+    const uint32_t hi = byte_perm(bit_cast<uint32_t>(q[first + 4]), bit_cast<uint32_t>(q[first + 6]), 0x0073u);
+    return byte_perm(lo, hi, 0x5410u);
+  };
+  return (top_bytes(1) & 0x80808080u) | ((top_bytes(0) >> 4) & 0x08080808u) | magnitudes;
 }
 
 // Code -> value: twice the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as nibbles of one constant (a

@@ -56,9 +56,11 @@ __device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock
   c.sf_byte = sf.__x;
   c.sf_value = float(sf);
   const float inv = inv_scale[c.sf_byte];
-  c.packed[0] = c.packed[1] = 0u;
+  float q[kBlock];
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) c.packed[i / 8] |= e2m1_code(__fmul_rn(scaled[i], inv)) << (4 * (i % 8));
+  for (int i = 0; i < kBlock; ++i) q[i] = __fmul_rn(scaled[i], inv);
+  c.packed[0] = e2m1_pack8(q);
+  c.packed[1] = e2m1_pack8(q + 8);
   return c;
 }
 

@@ -497,8 +497,9 @@ def test_calibrated_scale_does_not_saturate(gen):
 
 def test_e2m1_fast_rounding_matches_the_definition_on_every_float(tmp_path):
     """csrc/e2m1.h: the CUDA writer's bit-trick rounding onto E2M1 codes equals the threshold
-    definition (format.py's rounding) for every non-NaN float of both signs, 4.28e9 of them, run on
-    the host from the same source the kernel includes."""
+    definition (format.py's rounding) for every non-NaN float of both signs, 4.28e9 of them, and its
+    8-codes-per-word packing (e2m1_pack8) equals the codes one by one on 4e6 words of thresholds,
+    zeros, infinities and random floats; run on the host from the same source the kernel includes."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -511,3 +512,4 @@ def test_e2m1_fast_rounding_matches_the_definition_on_every_float(tmp_path):
                     str(root / "tests" / "csrc" / "e2m1_exhaustive.cpp"), "-o", str(exe)], check=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.startswith("ok: 4278190082 floats"), res.stdout + res.stderr
+    assert "ok: 4000000 packed words" in res.stdout, res.stdout

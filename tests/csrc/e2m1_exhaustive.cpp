@@ -1,7 +1,10 @@
-// Every non-NaN float, both signs: the writer's e2m1_code == the threshold definition.
+// Every non-NaN float, both signs: the writer's e2m1_code == the threshold definition.  Then
+// e2m1_pack8 (the writer's 8-codes-per-word packing) == e2m1_code of each value, on 8-vectors mixing
+// the rounding thresholds and their neighbours, zeros, infinities and random floats.
 // Built and run by tests/test_format.py::test_e2m1_fast_rounding_matches_the_definition_on_every_float.
 #include <cstdio>
 #include <initializer_list>
+#include <vector>
 #include "e2m1.h"
 
 int main() {
@@ -18,5 +21,45 @@ int main() {
     }
   }
   std::printf("ok: %llu floats\n", static_cast<unsigned long long>(checked));
+
+  std::vector<float> pool;
+  for (float t : {0.0f, 0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f, 3.5f, 4.0f, 5.0f, 6.0f, 7.0f,
+                  1e-30f, 1e30f, 1.0f / 0.0f}) {
+    const uint32_t bits = nvfp4::bit_cast<uint32_t>(t);
+    for (uint32_t b : {bits, bits + 1, bits - 1})
+      for (uint32_t sign : {0u, 0x80000000u}) pool.push_back(nvfp4::bit_cast<float>((b & 0x7FFFFFFFu) | sign));
+  }
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&] {  // xorshift64*
+    state ^= state >> 12, state ^= state << 25, state ^= state >> 27;
+    return static_cast<uint32_t>((state * 0x2545F4914F6CDD1Dull) >> 32);
+  };
+  uint64_t words = 0;
+  for (int n = 0; n < 4000000; ++n) {
+    float q[8];
+    for (float& x : q) {
+      const uint32_t r = next();
+      if (r % 3 == 0) {
+        x = pool[next() % pool.size()];
+      } else if (r % 3 == 1) {
+        x = (static_cast<float>(next() >> 8) / 16777216.0f - 0.5f) * 16.0f;  // [-8, 8)
+      } else {
+        uint32_t bits = next();
+        if ((bits & 0x7F800000u) == 0x7F800000u) bits &= 0xFF7FFFFFu;  // no NaN (the writer never packs NaN)
+        x = nvfp4::bit_cast<float>(bits);
+      }
+    }
+    uint32_t want = 0;
+    for (int k = 0; k < 8; ++k) want |= nvfp4::e2m1_code(q[k]) << (4 * k);
+    const uint32_t got = nvfp4::e2m1_pack8(q);
+    if (got != want) {
+      std::printf("PACK MISMATCH got=0x%08x want=0x%08x q=", got, want);
+      for (float x : q) std::printf("%a ", x);
+      std::printf("\n");
+      return 1;
+    }
+    ++words;
+  }
+  std::printf("ok: %llu packed words\n", static_cast<unsigned long long>(words));
   return 0;
 }
