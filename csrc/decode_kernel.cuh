@@ -209,6 +209,32 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // max_rows bounds the partial-output rows; the host sizes it from max_query_len
   const int rows = min(q_len * p.group_size, p.max_rows);
   if (q_len <= 0) return;
+
+  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
+  // half holds elements e and e + 4 (q_element).  The raw query bits load first: issued after the
+  // prologue's copies, they waited behind that burst (16 % of the warp time at 82 x 512).  KV mode
+  // "hadamard" fills them from the rotated rows further down instead.
+  auto q_element = [&](int s, int half) { return c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half); };
+  uint32_t q_frag[kRowTiles][C::kKSteps][2];
+  if (!p.hadamard) {
+#pragma unroll
+    for (int t = 0; t < kRowTiles; ++t) {
+      const int row = (row_warp * kRowTiles + t) * 8 + g;
+      const bool live = row < rows;
+      const unsigned short* qbits = reinterpret_cast<const unsigned short*>(
+          static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
+          (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head);
+#pragma unroll
+      for (int s = 0; s < C::kKSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int e = q_element(s, half);
+          const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
+          q_frag[t][s][half] = lo | (hi << 16);
+        }
+    }
+  }
+
   const int seq_len = p.seq_lens[req];
   // positions visible to the first query row bound the range every row may need
   int kv_begin = 0;
@@ -302,31 +328,19 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
   }
 
-  // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n)
-  uint32_t q_frag[kRowTiles][C::kKSteps][2];
+  // ---------------- the rotated Q^T operands (KV mode "hadamard"); the cache positions of the rows
   int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
-    const int row = (row_warp * kRowTiles + t) * 8 + g;
-    const bool live = row < rows;
-    const T* qrow = static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
-                    (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head;
-    const unsigned short* qbits = reinterpret_cast<const unsigned short*>(qrow);
+    if (p.hadamard) {
+      const float* r = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
 #pragma unroll
-    for (int s = 0; s < C::kKSteps; ++s) {
+      for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // k-step s, slot half: pair j of word s/2 of this thread's K chunk
-        const int j = (s & 1) * 2 + half;
-        const int e = c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element(j);
-        if (p.hadamard) {
-          const float* r = q_rot + row * kHeadDim;
+        for (int half = 0; half < 2; ++half) {
+          const int e = q_element(s, half);
           q_frag[t][s][half] = pack2(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale, T());
-        } else {
-          const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
-          q_frag[t][s][half] = lo | (hi << 16);
         }
-      }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
