@@ -80,6 +80,13 @@ __device__ __forceinline__ const T* opaque(const T* x) {
   asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
   return x;
 }
+// A read-only 16-bit load that stays where it is written: nvcc sinks plain loads towards their first
+// use, and volatile asm keeps its order with the copies' (volatile) asm
+__device__ __forceinline__ unsigned short load_u16_in_order(const unsigned short* src) {
+  unsigned short v;
+  asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(src));
+  return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
@@ -144,8 +151,10 @@ struct Config {
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
   static constexpr int kPipelineBytes = kStages * kStageBytes;
   // per token warp and row: the output row, its running max and sum; then per row the token warps'
-  // weights, v_scale / sum and the sum
-  static constexpr int kMergeBytes = (kTokenWarps * kMaxRows * (kHeadDim + 2) + kMaxRows * (kTokenWarps + 2)) * 4;
+  // weights, v_scale / sum and the sum; then per row the offset of its output row (8-byte aligned)
+  static constexpr int kFactorBytes = (kTokenWarps * kMaxRows * (kHeadDim + 2) + kMaxRows * (kTokenWarps + 2)) * 4;
+  static constexpr int kOutOffsets = (kFactorBytes + 7) / 8 * 8;
+  static constexpr int kMergeBytes = kOutOffsets + kMaxRows * 8;
   static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
@@ -204,38 +213,40 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int g = lane >> 2, c = lane & 3;  // MMA group id / thread-in-group
   const int row_warp = warp / C::kTokenWarps, token_warp = warp % C::kTokenWarps;
 
+  // the request's three loads go out together (the early return for an empty request comes after
+  // the query loads: before them, nvcc sank the sequence length's load below it, a second memory
+  // latency before the first copies)
   const int q_start = p.query_start_loc[req];
   const int q_len = p.query_start_loc[req + 1] - q_start;
+  const int seq_len = p.seq_lens[req];
   // max_rows bounds the partial-output rows; the host sizes it from max_query_len
-  const int rows = min(q_len * p.group_size, p.max_rows);
-  if (q_len <= 0) return;
+  const int rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
-  // half holds elements e and e + 4 (q_element).  The raw query bits load first: issued after the
-  // prologue's copies, they waited behind that burst (16 % of the warp time at 82 x 512).  KV mode
-  // "hadamard" fills them from the rotated rows further down instead.
+  // half holds elements e and e + 4 (q_element).  The raw query bits load first and are combined
+  // into operands only after the first copies go out: issued after the copies, they waited behind
+  // that burst (16 % of the warp time at 82 x 512), and consumed before them, they held the copies
+  // back (12 % at 82 x 128).  KV mode "hadamard" takes the operands from its rotated rows instead.
   auto q_element = [&](int s, int half) { return c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half); };
-  uint32_t q_frag[kRowTiles][C::kKSteps][2];
+  unsigned short q_bits[kRowTiles][C::kKSteps][2][2];  // [tile][k-step][slot][element e, e + 4]
   if (!p.hadamard) {
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t) {
       const int row = (row_warp * kRowTiles + t) * 8 + g;
       const bool live = row < rows;
-      const unsigned short* qbits = reinterpret_cast<const unsigned short*>(
+      const unsigned short* qrow = reinterpret_cast<const unsigned short*>(
           static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
           (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head);
 #pragma unroll
       for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int e = q_element(s, half);
-          const uint32_t lo = live ? __ldg(qbits + e) : 0u, hi = live ? __ldg(qbits + e + 4) : 0u;
-          q_frag[t][s][half] = lo | (hi << 16);
-        }
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) q_bits[t][s][half][i] = live ? load_u16_in_order(qrow + q_element(s, half) + 4 * i) : 0;
     }
   }
 
-  const int seq_len = p.seq_lens[req];
+  if (q_len <= 0) return;
   // positions visible to the first query row bound the range every row may need
   int kv_begin = 0;
   if (p.sliding_window > 0) kv_begin = max(0, seq_len - q_len - p.sliding_window + 1);
@@ -328,20 +339,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
   }
 
-  // ---------------- the rotated Q^T operands (KV mode "hadamard"); the cache positions of the rows
+  // ---------------- the Q^T operands, now that the first copies are out; the cache positions of the rows
+  uint32_t q_frag[kRowTiles][C::kKSteps][2];
   int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
-    if (p.hadamard) {
-      const float* r = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
+    const float* r = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
 #pragma unroll
-      for (int s = 0; s < C::kKSteps; ++s)
+    for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int e = q_element(s, half);
-          q_frag[t][s][half] = pack2(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale, T());
-        }
-    }
+      for (int half = 0; half < 2; ++half) {
+        const int e = q_element(s, half);
+        q_frag[t][s][half] = p.hadamard ? pack2(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale, T())
+                                        : q_bits[t][s][half][0] | (uint32_t(q_bits[t][s][half][1]) << 16);
+      }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
@@ -616,6 +627,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   const int64_t part = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits + split;
   float* row_factors = merge_ml + C::kTokenWarps * C::kMaxRows * 2;  // [rows][token warps + 2]
+  int64_t* out_offsets = reinterpret_cast<int64_t*>(smem + C::kOutOffsets);  // [rows]
   for (int row = threadIdx.x; row < rows; row += kThreads) {
     float m = -INFINITY;
 #pragma unroll
@@ -642,15 +654,15 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       }
       row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps] = v_scale / l;
       row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps + 1] = l;
+      // query row -> its output row, (token, head) = (row / group, kv_head * group + row % group):
+      // once per row here, not a division per output element below
+      out_offsets[row] = (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
+                         (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head;
     }
   }
   __syncthreads();
 
-  // query row -> its output row: (token, head) = (row / group, kv_head * group + row % group)
-  auto out_row = [&](int row) {
-    return static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-           (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head;
-  };
+  auto out_row = [&](int row) { return static_cast<T*>(p.out) + out_offsets[row]; };
   for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
     const int row = idx / kHeadDim, d = idx % kHeadDim;
     const float* factors = row_factors + row * (C::kTokenWarps + 2);
