@@ -197,8 +197,7 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; on sm_90 the hd128 ones spill 4-12 bytes, and the fp16 one with 2 row
-// warps reloads 3 words per tile).  The 1-row-tile kernel: 5 at hd128 (its shared memory allows 5;
+// operands in shared memory; no spills at hd128 on sm_80 and sm_90 since 54837ff).  The 1-row-tile kernel: 5 at hd128 (its shared memory allows 5;
 // 96 registers, without the bound 111 in bf16, which leaves 4) and 8 at hd64 (64 registers, no
 // spills; unbounded 71, bounded to 5 79); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
@@ -225,8 +224,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
   // half holds elements e and e + 4 (q_element).  The raw query bits load first and are combined
   // into operands only after the first copies go out: issued after the copies, they waited behind
-  // that burst (16 % of the warp time at 82 x 512), and consumed before them, they held the copies
-  // back (12 % at 82 x 128).  KV mode "hadamard" takes the operands from its rotated rows instead.
+  // that burst (16 % of the warp-stall samples at 82 x 512), and consumed before them, they held the
+  // copies back (12 % at 82 x 128).  KV mode "hadamard" takes the operands from its rotated rows instead.
   auto q_element = [&](int s, int half) { return c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half); };
   unsigned short q_bits[kRowTiles][C::kKSteps][2][2];  // [tile][k-step][slot][element e, e + 4]
   if (!p.hadamard) {
@@ -319,8 +318,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) issue(s, first_pages[s]);
   };
-  // the copies go out before the query and table set-up, which they then overlap; in KV mode
-  // "hadamard" the pipeline buffers first hold the rotated query rows
+  // the copies go out before the scale table and the query operands are built, which they then
+  // overlap; in KV mode "hadamard" the pipeline buffers first hold the rotated query rows
   if (!p.hadamard) issue_prologue();
   for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the barrier before the tile loop
 
@@ -344,13 +343,13 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
-    const float* r = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
+    const float* rotated = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
 #pragma unroll
     for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int e = q_element(s, half);
-        q_frag[t][s][half] = p.hadamard ? pack2(r[e] * p.hadamard_scale, r[e + 4] * p.hadamard_scale, T())
+        q_frag[t][s][half] = p.hadamard ? pack2(rotated[e] * p.hadamard_scale, rotated[e + 4] * p.hadamard_scale, T())
                                         : q_bits[t][s][half][0] | (uint32_t(q_bits[t][s][half][1]) << 16);
       }
 #pragma unroll

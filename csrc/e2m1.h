@@ -57,6 +57,8 @@ NVFP4_HOST_DEVICE float e2m1_magnitude_on_2p23(float q) {
   t += saturate(fmaf(a, 0.5f, -2.0f));                    // + rint(clamp((a - 4) / 2, 0, 1))
   return t;
 }
+// One code.  The writer packs eight at a time (e2m1_pack8); the host test checks this one against
+// the threshold definition and the packing against this one.
 NVFP4_HOST_DEVICE uint32_t e2m1_code(float q) {
   return (bit_cast<uint32_t>(e2m1_magnitude_on_2p23(q)) & 0x7u) | ((bit_cast<uint32_t>(q) >> 28) & 0x8u);
 }

@@ -120,8 +120,16 @@ def test_an_installed_wheel_finds_its_kernel_sources(tmp_path):
     """Where the JIT and a prebuilt library's digest look for csrc/ once installed (not a checkout):
     the package's own copy, with the checkout's digest."""
     env = {k: v for k, v in os.environ.items() if k not in ("NVFP4_BACKEND_AOT", "TORCH_CUDA_ARCH_LIST")}
+    # from a copy of what the wheel is made of: an in-tree build would pack a stale build/lib (a
+    # renamed kernel source, a prebuilt library) and write into the checkout
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("nvfp4_backend", "csrc", "plugins"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "_C*", "*.so"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
-                    "-w", str(tmp_path / "wheel"), str(ROOT)], check=True, env=env)
+                    "-w", str(tmp_path / "wheel"), str(src)], check=True, env=env)
     (wheel,) = (tmp_path / "wheel").glob("nvfp4_backend-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", str(tmp_path / "site"), str(wheel)], check=True)

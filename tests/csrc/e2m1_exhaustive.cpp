@@ -27,7 +27,10 @@ int main() {
                   1e-30f, 1e30f, 1.0f / 0.0f}) {
     const uint32_t bits = nvfp4::bit_cast<uint32_t>(t);
     for (uint32_t b : {bits, bits + 1, bits - 1})
-      for (uint32_t sign : {0u, 0x80000000u}) pool.push_back(nvfp4::bit_cast<float>((b & 0x7FFFFFFFu) | sign));
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        const float x = nvfp4::bit_cast<float>((b & 0x7FFFFFFFu) | sign);
+        if (!std::isnan(x)) pool.push_back(x);  // 0 - 1 ulp and inf + 1 ulp wrap to NaN
+      }
   }
   uint64_t state = 0x9E3779B97F4A7C15ull;
   auto next = [&] {  // xorshift64*
