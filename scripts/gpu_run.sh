@@ -78,14 +78,18 @@ case $mode in
 esac
 case $mode in
   ab)  # the tree against the revisions in ab/ (scripts/ab_export.sh; carry ["ab"]), each its own build,
-       # the tree first and again last (in one call the order alone moves a result 1-2 %)
+       # AB_ROUNDS rounds of tree, revisions... (builds are kept between rounds), then the tree again:
+       # in one call the order alone moves a result 1-3 %, so alternate and compare rounds
     abbench() { python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
                   --grid ${AB_GRID:-64x8192,256x2048,1x131072,128x512} ${AB_ARGS:---spec-q-len 4} --out "$OUT/ab_$1.json" 2>&1 \
                   | grep "^B=\|^write_kv" | sed "s/^/[$1] /"; }
-    cat ab/REFS; abbench tree
-    for d in ab/*/; do
-      n=$(basename "$d"); rm -rf "/tmp/ab_$n" && cp -r "$d" "/tmp/ab_$n"
-      (cd "/tmp/ab_$n" && PYTHONPATH="/tmp/ab_$n" TORCH_EXTENSIONS_DIR="/tmp/te_ab_$n" abbench "$n")
+    cat ab/REFS
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+      abbench "tree_r$round"
+      for d in ab/*/; do
+        n=$(basename "$d"); [ -d "/tmp/ab_$n" ] && [ "$round" -gt 1 ] || { rm -rf "/tmp/ab_$n" && cp -r "$d" "/tmp/ab_$n"; }
+        (cd "/tmp/ab_$n" && PYTHONPATH="/tmp/ab_$n" TORCH_EXTENSIONS_DIR="/tmp/te_ab_$n" abbench "${n}_r$round")
+      done
     done
     abbench tree_again ;;
 esac
