@@ -197,9 +197,10 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; no spills at hd128 on sm_80 and sm_90 since 54837ff).  The 1-row-tile kernel: 5 at hd128 (its shared memory allows 5;
-// 96 registers, without the bound 111 in bf16, which leaves 4) and 8 at hd64 (64 registers, no
-// spills; unbounded 71, bounded to 5 79); 0 leaves the others to the compiler.
+// operands in shared memory; no spills at hd128 on sm_80 and sm_90).  The 1-row-tile kernel: 5 at
+// hd128 (its shared memory allows 5; 96 registers, without the bound 111 in bf16, which leaves 4)
+// and 8 at hd64 (64 registers, no spills; unbounded 71, bounded to 5 79); 0 leaves the others to
+// the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
                                             : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : 0)
@@ -220,6 +221,11 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int seq_len = p.seq_lens[req];
   // max_rows bounds the partial-output rows; the host sizes it from max_query_len
   const int rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
+  // query row -> the element offset of its (token, head) = (row / group, kv_head * group + row % group)
+  // in q or out, given their strides
+  auto row_offset = [&](int row, int64_t stride_token, int64_t stride_head) {
+    return (int64_t)(q_start + row / p.group_size) * stride_token + (int64_t)(kv_head * p.group_size + row % p.group_size) * stride_head;
+  };
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
   // half holds elements e and e + 4 (q_element).  The raw query bits load first and are combined
@@ -233,6 +239,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int t = 0; t < kRowTiles; ++t) {
       const int row = (row_warp * kRowTiles + t) * 8 + g;
       const bool live = row < rows;
+      // row_offset(live ? row : 0, ...) spelled out: that form compiles to a different prologue,
+      // which has not been measured
       const unsigned short* qrow = reinterpret_cast<const unsigned short*>(
           static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
           (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head);
@@ -330,9 +338,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   if (p.hadamard) {
     for (int idx = threadIdx.x; idx < C::kMaxRows * kHeadDim; idx += kThreads) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
-      q_rot[idx] = row < rows ? to_float(static_cast<const T*>(p.q)[
-                                    (int64_t)(q_start + row / p.group_size) * p.q_stride_token +
-                                    (int64_t)(kv_head * p.group_size + row % p.group_size) * p.q_stride_head + d])
+      q_rot[idx] = row < rows ? to_float(static_cast<const T*>(p.q)[row_offset(row, p.q_stride_token, p.q_stride_head) + d])
                               : 0.f;
     }
     fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
@@ -653,10 +659,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       }
       row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps] = v_scale / l;
       row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps + 1] = l;
-      // query row -> its output row, (token, head) = (row / group, kv_head * group + row % group):
       // once per row here, not a division per output element below
-      out_offsets[row] = (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-                         (int64_t)(kv_head * p.group_size + row % p.group_size) * p.out_stride_head;
+      out_offsets[row] = row_offset(row, p.out_stride_token, p.out_stride_head);
     }
   }
   __syncthreads();

@@ -68,7 +68,7 @@ def module_name(capability: tuple[int, int]) -> str:
     cv = (torch.version.cuda or "none").replace(".", "_")
     name = f"nvfp4_backend_C_torch{tv}_cu{cv}_sm{capability[0]}{capability[1]}"
     if extra_flags():
-            name += "_" + hashlib.sha1(" ".join(extra_flags()).encode()).hexdigest()[:8]
+        name += "_" + hashlib.sha1(" ".join(extra_flags()).encode()).hexdigest()[:8]
     return name
 
 
