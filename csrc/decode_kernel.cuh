@@ -87,6 +87,16 @@ __device__ __forceinline__ unsigned short load_u16_in_order(const unsigned short
   asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(src));
   return v;
 }
+__device__ __forceinline__ float load_in_order(const float* src) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ float4 load_in_order(const float4* src) {
+  float4 v;
+  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
+  return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
@@ -505,13 +515,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       for (int t = 0; t < kRowTiles; ++t) {
         float x[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (soft_cap) {
-            const float v = s_acc[t][i] * score_scale[t][i & 1];
-            x[i] = p.logits_soft_cap * tanhf(v / p.logits_soft_cap) * kLog2e;
-          } else {
-            x[i] = s_acc[t][i] * score_scale[t][i & 1];
-          }
+        for (int i = 0; i < 4; ++i) x[i] = s_acc[t][i] * score_scale[t][i & 1];
+        // one uniform branch for the four scores: a branch per score (what nvcc made of a test inside
+        // the loop) cost four taken jumps per tile without a cap, each an instruction-fetch stall
+        if (soft_cap) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) x[i] = p.logits_soft_cap * tanhf(x[i] / p.logits_soft_cap) * kLog2e;
         }
         if (masked) {
 #pragma unroll
@@ -701,33 +710,19 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
 }
 
-// Combine the splits of one query row of one (request, kv head) per block.  The loop is latency-bound,
-// so the splits' weights are computed once into shared memory and the splits are spread over
-// groups of kHeadDim / 4 threads (float4 loads).  Sums go in a fixed order (the row sum per thread,
-// then by warp shuffles; the output per thread, then group by group), so results are run-to-run
-// identical.
-// shared memory: the weights (at most kMaxSplits: 32 KB), then kThreads * 4 group sums
-constexpr int merge_smem_bytes(int num_splits) { return ((num_splits + 3) / 4 * 4 + kThreads * 4) * 4; }
-static_assert(merge_smem_bytes(kMaxSplits) <= 48 * 1024, "the merge's shared memory needs no opt-in");
-
-template <typename Op>
-__device__ __forceinline__ float block_reduce(float x, float* scratch, Op op) {
-#pragma unroll
-  for (int mask = 16; mask > 0; mask /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, mask));
-  __syncthreads();  // scratch may still be read from the previous reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-  __syncthreads();
-  x = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) x = op(x, scratch[w]);
-  return x;
-}
+// Combine the splits of one query row of one (request, kv head) per block.  Each group of kHeadDim / 4
+// threads (float4 loads) folds its share of the splits into a running maximum, sum and output, eight
+// splits per round whose loads all go out together, and the groups combine once in shared memory.
+// (Two passes, the splits' maximum and then their weights, cost three memory latencies in a row: the
+// kernel took 4.8 us at 1 x 131072.)  Sums go in a fixed order, so results are run-to-run identical.
+constexpr int kMergeThreads = 512;
+constexpr int kMergeBatch = 8;  // splits per group and round
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kGroupThreads = kHeadDim / 4, kGroups = kThreads / kGroupThreads;
-  extern __shared__ __align__(16) float merge_smem[];
-  __shared__ float scratch[kWarps];
+__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr int kGroupThreads = kHeadDim / 4, kGroups = kMergeThreads / kGroupThreads;
+  __shared__ float group_max[kGroups], group_sum[kGroups];
+  __shared__ __align__(16) float group_out[kGroups][kHeadDim];
   const int row = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
   const int q_start = p.query_start_loc[req];
   const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
@@ -736,43 +731,65 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const __grid_con
   const int64_t first = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits * p.max_rows + row;
   const float* split_max = p.partial_max + first;  // split s at s * max_rows
   const float* split_sum = p.partial_sum + first;
-  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
-
-  float m = sink;
-  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) m = fmaxf(m, split_max[(int64_t)s * p.max_rows]);
-  m = block_reduce(m, scratch, [](float a, float b) { return fmaxf(a, b); });
-  const float base = m == -INFINITY ? 0.f : m;
-  float* weight = merge_smem;                                    // [num_splits]
-  float* group_sum = merge_smem + (p.num_splits + 3) / 4 * 4;    // [kGroups][kHeadDim]
-  float l = 0.f;
-  for (int s = threadIdx.x; s < p.num_splits; s += kThreads) {
-    const float f = exp2f(split_max[(int64_t)s * p.max_rows] - base);
-    weight[s] = f;
-    l += f * split_sum[(int64_t)s * p.max_rows];
-  }
-  l = block_reduce(l, scratch, [](float a, float b) { return a + b; });  // also publishes `weight`
-  if (p.sinks != nullptr) l += exp2f(sink - base + kWeightBiasLog2);
-
   const int group = threadIdx.x / kGroupThreads, d4 = 4 * (threadIdx.x % kGroupThreads);
-  const float* src = p.partial_out + first * kHeadDim + d4;     // split s at s * max_rows * kHeadDim
-  const int64_t split_stride = (int64_t)p.max_rows * kHeadDim;
+  const float* split_out = p.partial_out + first * kHeadDim + d4;  // split s at s * max_rows * kHeadDim
+
+  float m = -INFINITY, l = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int s = group; s < p.num_splits; s += kGroups) {
-    const float f = weight[s];
-    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
-    acc.x += f * v.x, acc.y += f * v.y, acc.z += f * v.z, acc.w += f * v.w;
+  for (int s0 = group; s0 < p.num_splits; s0 += kGroups * kMergeBatch) {
+    float ms[kMergeBatch], ls[kMergeBatch];
+    float4 os[kMergeBatch];
+    // all the round's loads first (in order: nvcc sank the outputs' loads below the first exp2f, a
+    // second latency); past the last split, the last one again, weighed 0 below
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      const int64_t s = min(s0 + i * kGroups, p.num_splits - 1);
+      os[i] = load_in_order(reinterpret_cast<const float4*>(split_out + s * p.max_rows * kHeadDim));
+      ms[i] = load_in_order(split_max + s * p.max_rows);
+      ls[i] = load_in_order(split_sum + s * p.max_rows);
+    }
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      if (s0 + i * kGroups >= p.num_splits) ms[i] = -INFINITY;  // weight exp2(-inf) = 0
+    }
+    float m_new = m;
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) m_new = fmaxf(m_new, ms[i]);  // fmaxf drops a NaN maximum ...
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    const float a = exp2f(m - base);
+    l *= a, acc.x *= a, acc.y *= a, acc.z *= a, acc.w *= a;
+#pragma unroll
+    for (int i = 0; i < kMergeBatch; ++i) {
+      const float f = exp2f(ms[i] - base);  // ... whose weight is NaN, and so are the sum and output
+      l += f * ls[i];
+      acc.x += f * os[i].x, acc.y += f * os[i].y, acc.z += f * os[i].z, acc.w += f * os[i].w;
+    }
+    m = m_new;
   }
-  *reinterpret_cast<float4*>(group_sum + group * kHeadDim + d4) = acc;
+  if (threadIdx.x % kGroupThreads == 0) group_max[group] = m, group_sum[group] = l;
+  *reinterpret_cast<float4*>(&group_out[group][d4]) = acc;
   __syncthreads();
+
+  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
+  float m_all = sink;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) m_all = fmaxf(m_all, group_max[g]);
+  const float base = m_all == -INFINITY ? 0.f : m_all;
+  float weight[kGroups], l_all = 0.f;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    weight[g] = exp2f(group_max[g] - base);
+    l_all += weight[g] * group_sum[g];
+  }
+  if (p.sinks != nullptr) l_all += exp2f(sink - base + kWeightBiasLog2);
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
            (int64_t)head * p.out_stride_head;
-  for (int d = threadIdx.x; d < kHeadDim; d += kThreads) {
+  for (int d = threadIdx.x; d < kHeadDim; d += kMergeThreads) {
     float o = 0.f;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) o += group_sum[g * kHeadDim + d];
-    store(dst + d, l == 0.f ? 0.f : o * (v_scale / l));
+    for (int g = 0; g < kGroups; ++g) o += weight[g] * group_out[g][d];
+    store(dst + d, l_all == 0.f ? 0.f : o * (v_scale / l_all));
   }
 }
 
@@ -785,8 +802,7 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.num_splits, p.num_kv_heads, p.batch);
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
-  merge_splits_kernel<T, kHeadDim><<<dim3(p.max_rows, p.num_kv_heads, p.batch), kThreads,
-                                     merge_smem_bytes(p.num_splits), stream>>>(p);
+  merge_splits_kernel<T, kHeadDim><<<dim3(p.max_rows, p.num_kv_heads, p.batch), kMergeThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
