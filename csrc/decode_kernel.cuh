@@ -714,15 +714,23 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 // threads (float4 loads) folds its share of the splits into a running maximum, sum and output, eight
 // splits per round whose loads all go out together, and the groups combine once in shared memory.
 // (Two passes, the splits' maximum and then their weights, cost three memory latencies in a row: the
-// kernel took 4.8 us at 1 x 131072.)  Sums go in a fixed order, so results are run-to-run identical.
-constexpr int kMergeThreads = 512;
+// kernel took 4.8 us at 1 x 131072.)  The block has as many groups as one round needs, up to
+// kMergeMaxThreads: 512 threads for the 2 splits of each of 1024 rows cost 10 us.  Sums go in a fixed
+// order, so results are run-to-run identical.
+constexpr int kMergeMaxThreads = 512;
 constexpr int kMergeBatch = 8;  // splits per group and round
+template <int kHeadDim>
+constexpr int merge_threads(int num_splits) {
+  const int threads = (num_splits + kMergeBatch - 1) / kMergeBatch * (kHeadDim / 4);
+  return threads < 32 ? 32 : threads > kMergeMaxThreads ? kMergeMaxThreads : (threads + 31) / 32 * 32;
+}
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kGroupThreads = kHeadDim / 4, kGroups = kMergeThreads / kGroupThreads;
-  __shared__ float group_max[kGroups], group_sum[kGroups];
-  __shared__ __align__(16) float group_out[kGroups][kHeadDim];
+__global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr int kGroupThreads = kHeadDim / 4, kMaxGroups = kMergeMaxThreads / kGroupThreads;
+  const int groups = blockDim.x / kGroupThreads;
+  __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups];
+  __shared__ __align__(16) float group_out[kMaxGroups][kHeadDim];
   const int row = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
   const int q_start = p.query_start_loc[req];
   const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
@@ -736,21 +744,21 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const __gri
 
   float m = -INFINITY, l = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = group; s0 < p.num_splits; s0 += kGroups * kMergeBatch) {
+  for (int s0 = group; s0 < p.num_splits; s0 += groups * kMergeBatch) {
     float ms[kMergeBatch], ls[kMergeBatch];
     float4 os[kMergeBatch];
     // all the round's loads first (in order: nvcc sank the outputs' loads below the first exp2f, a
     // second latency); past the last split, the last one again, weighed 0 below
 #pragma unroll
     for (int i = 0; i < kMergeBatch; ++i) {
-      const int64_t s = min(s0 + i * kGroups, p.num_splits - 1);
+      const int64_t s = min(s0 + i * groups, p.num_splits - 1);
       os[i] = load_in_order(reinterpret_cast<const float4*>(split_out + s * p.max_rows * kHeadDim));
       ms[i] = load_in_order(split_max + s * p.max_rows);
       ls[i] = load_in_order(split_sum + s * p.max_rows);
     }
 #pragma unroll
     for (int i = 0; i < kMergeBatch; ++i) {
-      if (s0 + i * kGroups >= p.num_splits) ms[i] = -INFINITY;  // weight exp2(-inf) = 0
+      if (s0 + i * groups >= p.num_splits) ms[i] = -INFINITY;  // weight exp2(-inf) = 0
     }
     float m_new = m;
 #pragma unroll
@@ -772,23 +780,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const __gri
 
   const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
   float m_all = sink;
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) m_all = fmaxf(m_all, group_max[g]);
+  for (int g = 0; g < groups; ++g) m_all = fmaxf(m_all, group_max[g]);
   const float base = m_all == -INFINITY ? 0.f : m_all;
-  float weight[kGroups], l_all = 0.f;
-#pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    weight[g] = exp2f(group_max[g] - base);
-    l_all += weight[g] * group_sum[g];
-  }
+  float l_all = 0.f;
+  for (int g = 0; g < groups; ++g) l_all += exp2f(group_max[g] - base) * group_sum[g];
   if (p.sinks != nullptr) l_all += exp2f(sink - base + kWeightBiasLog2);
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
            (int64_t)head * p.out_stride_head;
-  for (int d = threadIdx.x; d < kHeadDim; d += kMergeThreads) {
+  for (int d = threadIdx.x; d < kHeadDim; d += blockDim.x) {
     float o = 0.f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) o += weight[g] * group_out[g][d];
+    for (int g = 0; g < groups; ++g) o += exp2f(group_max[g] - base) * group_out[g][d];
     store(dst + d, l_all == 0.f ? 0.f : o * (v_scale / l_all));
   }
 }
@@ -802,7 +804,8 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(p.num_splits, p.num_kv_heads, p.batch);
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
-  merge_splits_kernel<T, kHeadDim><<<dim3(p.max_rows, p.num_kv_heads, p.batch), kMergeThreads, 0, stream>>>(p);
+  merge_splits_kernel<T, kHeadDim>
+      <<<dim3(p.max_rows, p.num_kv_heads, p.batch), merge_threads<kHeadDim>(p.num_splits), 0, stream>>>(p);
   return cudaGetLastError();
 }
 
