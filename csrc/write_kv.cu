@@ -48,18 +48,17 @@ struct BlockChoice {
   uint32_t packed[2];
 };
 
-// vals: the block's values; amax: the maximum of |vals * enc|; inv_scale: 1/scale per E4M3 byte (0
-// for a zero scale), the block's table
-__device__ __forceinline__ BlockChoice encode_block(const float (&vals)[kBlock], float enc, float amax, float target,
+// inv_scale: 1/scale per E4M3 byte (0 for a zero scale), the block's table
+__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, float target,
                                                     const float* inv_scale) {
   BlockChoice c;
   const __nv_fp8_e4m3 sf(__fdiv_rn(amax, target));  // RNE, satfinite at 448 (Inf too)
   c.sf_byte = sf.__x;
   c.sf_value = float(sf);
-  const float multiplier = __fmul_rn(enc, inv_scale[c.sf_byte]);  // one multiply per element
+  const float inv = inv_scale[c.sf_byte];
   float q[kBlock];
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) q[i] = __fmul_rn(vals[i], multiplier);
+  for (int i = 0; i < kBlock; ++i) q[i] = __fmul_rn(scaled[i], inv);
   c.packed[0] = e2m1_pack8(q);
   c.packed[1] = e2m1_pack8(q + 8);
   return c;
@@ -150,24 +149,23 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Col
     if (!active) return;
   }
 
-  float amax = 0.0f;  // NaN if any value is NaN
+  float scaled[kBlock];
+  float amax = 0.0f;  // NaN if any scaled value is NaN
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) amax = max_nan(amax, fabsf(vals[i]));
-  amax = __fmul_rn(amax, enc);  // the maximum of |vals[i] * enc|: rounding is monotonic
+  for (int i = 0; i < kBlock; ++i) {
+    scaled[i] = __fmul_rn(vals[i], enc);
+    amax = max_nan(amax, fabsf(scaled[i]));
+  }
   const bool has_nan = isnan(amax);
   BlockChoice choice;
   if (has_nan) {
     choice.sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
     choice.packed[0] = choice.packed[1] = 0u;
   } else {
-    choice = encode_block(vals, enc, amax, 6.0f, inv_scale);
+    choice = encode_block(scaled, amax, 6.0f, inv_scale);
     if constexpr (kSixOrFour) {
-      // the maximum-of-4 scale wins only when strictly better (a tie keeps the standard scale); the
-      // errors are measured on the values times enc
-      const BlockChoice four = encode_block(vals, enc, amax, 4.0f, inv_scale);
-      float scaled[kBlock];
-#pragma unroll
-      for (int i = 0; i < kBlock; ++i) scaled[i] = __fmul_rn(vals[i], enc);
+      // the maximum-of-4 scale wins only when strictly better: a tie keeps the standard scale
+      const BlockChoice four = encode_block(scaled, amax, 4.0f, inv_scale);
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
     }
   }

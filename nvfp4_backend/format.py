@@ -9,12 +9,9 @@ per layer and per K/V is the DEQUANT multiplier (the engines' ``k_scale`` / ``v_
 
 Quantization, bit for bit (the CUDA writer follows the same fp32 operations in the same order):
 
-    enc     = 1 / global_scale                          # fp32, reciprocal rounded once
-    sf      = e4m3_rne_satfinite(amax(|x| over 16) * enc / 6)
-    codes   = e2m1_rne_satfinite(x * (enc * (1 / e4m3(sf))))   # all zero when sf == 0
-
-(one fp32 multiply per element, by a per-block product; the maximum of |x * enc| equals
-amax(|x|) * enc, since rounding is monotonic)
+    scaled  = x * (1 / global_scale)                    # fp32, reciprocal rounded once
+    sf      = e4m3_rne_satfinite(amax(|scaled| over 16) / 6)
+    codes   = e2m1_rne_satfinite(scaled * (1 / e4m3(sf)))   # all zero when sf == 0
 
 Defined behaviour for values the format cannot hold:
   * |x| beyond 6 * 448 * global_scale saturates to +-6 * 448 * global_scale (``satfinite``);
@@ -142,14 +139,12 @@ SCALE_RULES = ("6", "6or4")
 squared error (vLLM's ``nvfp4_4over6`` idea).  Both produce the standard NVFP4 bytes."""
 
 
-def _block_codes(raw: torch.Tensor, enc: torch.Tensor, amax: torch.Tensor, target: float):
-    """Scale bytes, their values and the codes for a block maximum (of the values times ``enc``)
-    mapped onto ``target``.  Each value is multiplied once, by enc / scale rounded to fp32 (one
-    product per block, as TensorRT-LLM's quantizer does), not by enc and then by 1 / scale."""
+def _block_codes(blocks: torch.Tensor, amax: torch.Tensor, target: float):
+    """Scale bytes, their values and the codes for a block maximum mapped onto ``target``."""
     sf = e4m3_encode(amax / torch.full_like(amax, target))
     sf_value = e4m3_decode(sf)
     inv = torch.where(sf_value > 0, torch.ones_like(sf_value) / sf_value, torch.zeros_like(sf_value))
-    return sf, sf_value, e2m1_encode(raw * (enc * inv).unsqueeze(-1))
+    return sf, sf_value, e2m1_encode(blocks * inv.unsqueeze(-1))
 
 
 def _block_sq_error(blocks: torch.Tensor, codes: torch.Tensor, sf_value: torch.Tensor) -> torch.Tensor:
@@ -176,13 +171,11 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | float,
     # its reciprocal on some devices, which would round differently from the kernel.
     g = _as_fp32_scalar(global_scale, x.device)
     enc = torch.ones_like(g) / g
-    raw = x.float().unflatten(-1, (-1, BLOCK_SIZE))
-    # the maximum of |x * enc| (rounding is monotonic), with one multiply per block; NaN propagates
-    amax = raw.abs().amax(-1) * enc
-    sf, sf_value, codes = _block_codes(raw, enc, amax, E2M1_MAX)
+    blocks = (x.float() * enc).unflatten(-1, (-1, BLOCK_SIZE))
+    amax = blocks.abs().amax(-1)  # NaN propagates
+    sf, sf_value, codes = _block_codes(blocks, amax, E2M1_MAX)
     if scale_rule == "6or4":
-        sf4, sf4_value, codes4 = _block_codes(raw, enc, amax, 4.0)
-        blocks = raw * enc  # the error is measured on the values times enc
+        sf4, sf4_value, codes4 = _block_codes(blocks, amax, 4.0)
         four = _block_sq_error(blocks, codes4, sf4_value) < _block_sq_error(blocks, codes, sf_value)
         sf = torch.where(four, sf4, sf)
         codes = torch.where(four.unsqueeze(-1), codes4, codes)

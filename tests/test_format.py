@@ -80,14 +80,14 @@ def e4m3_encode_scalar(v: float) -> int:
 def quantize_scalar(x: list[float], global_scale: float) -> tuple[list[int], list[int]]:
     """One row of D fp32 values -> (codes [D], scale bytes [D/16]), in format.py's documented order:
 
-        amax = max|x| * (1 / g); sf = e4m3(amax / 6); codes = e2m1(x * ((1 / g) * (1 / e4m3(sf))))
+        scaled = x * (1 / g); sf = e4m3(amax / 6); codes = e2m1(scaled * (1 / e4m3(sf)))
     """
     codes, sfs = [], []
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         enc = F32(1.0) / F32(global_scale)
         for start in range(0, len(x), 16):
-            block = [F32(v) for v in x[start:start + 16]]
-            amax = F32(math.nan) if any(math.isnan(v) for v in block) else max(abs(v) for v in block) * enc
+            scaled = [F32(v) * enc for v in x[start:start + 16]]
+            amax = F32(math.nan) if any(math.isnan(s) for s in scaled) else max(abs(s) for s in scaled)
             sf = e4m3_encode_scalar(float(amax / F32(6.0)))
             sfs.append(sf)
             if sf == 0x7F:
@@ -95,7 +95,7 @@ def quantize_scalar(x: list[float], global_scale: float) -> tuple[list[int], lis
                 continue
             sf_value = F32(e4m3_value(sf))
             inv = F32(1.0) / sf_value if sf_value > 0 else F32(0.0)
-            codes += [e2m1_encode_scalar(float(v * (enc * inv))) for v in block]
+            codes += [e2m1_encode_scalar(float(s * inv)) for s in scaled]
     return codes, sfs
 
 
