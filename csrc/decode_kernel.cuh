@@ -712,11 +712,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
 // Combine the splits of one query row of one (request, kv head) per block.  Each group of kHeadDim / 4
 // threads (float4 loads) folds its share of the splits into a running maximum, sum and output, eight
-// splits per round whose loads all go out together, and the groups combine once in shared memory.
-// (Two passes, the splits' maximum and then their weights, cost three memory latencies in a row: the
-// kernel took 4.8 us at 1 x 131072.)  The block has as many groups as one round needs, up to
-// kMergeMaxThreads: 512 threads for the 2 splits of each of 1024 rows cost 10 us.  Sums go in a fixed
-// order, so results are run-to-run identical.
+// splits per round, and the groups combine once in shared memory.  A round's loads are written
+// before any use (ptxas still issues the outputs' loads after the first exp2f: two latencies per
+// round); the former two passes, the splits' maximum and then their weights, cost three in a row
+// (4.6-4.8 us at 1 x 131072, now 3.3-3.6).  The block has as many groups as one round needs, up to
+// kMergeMaxThreads: 512 threads for each of 1024 rows of 2 splits cost ~9 us more.  Sums go in a
+// fixed order, so results are run-to-run identical.
 constexpr int kMergeMaxThreads = 512;
 constexpr int kMergeBatch = 8;  // splits per group and round
 template <int kHeadDim>
@@ -747,8 +748,8 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
   for (int s0 = group; s0 < p.num_splits; s0 += groups * kMergeBatch) {
     float ms[kMergeBatch], ls[kMergeBatch];
     float4 os[kMergeBatch];
-    // all the round's loads first (in order: nvcc sank the outputs' loads below the first exp2f, a
-    // second latency); past the last split, the last one again, weighed 0 below
+    // the round's loads first, volatile (nvcc sank plain ones below the first exp2f; ptxas still
+    // moves most output loads after it); past the last split, the last one again, weighed 0 below
 #pragma unroll
     for (int i = 0; i < kMergeBatch; ++i) {
       const int64_t s = min(s0 + i * groups, p.num_splits - 1);
