@@ -715,9 +715,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 // splits per round, and the groups combine once in shared memory.  A round's loads are written
 // before any use (ptxas still issues the outputs' loads after the first exp2f: two latencies per
 // round); the former two passes, the splits' maximum and then their weights, cost three in a row
-// (4.6-4.8 us at 1 x 131072, now 3.3-3.6).  The block has as many groups as one round needs, up to
-// kMergeMaxThreads: 512 threads for each of 1024 rows of 2 splits cost ~9 us more.  Sums go in a
-// fixed order, so results are run-to-run identical.
+// (4.6-4.8 us at 1 x 131072, now 3.3-3.6).  The block has as many groups as one round needs (at
+// least a warp), up to kMergeMaxThreads: 512 threads for each of 1024 rows of 2 splits cost ~9 us
+// more.  Sums go in a fixed order, so results are run-to-run identical.
 constexpr int kMergeMaxThreads = 512;
 constexpr int kMergeBatch = 8;  // splits per group and round
 template <int kHeadDim>

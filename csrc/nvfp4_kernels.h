@@ -35,7 +35,8 @@ struct WriteKVParams {
   float hadamard_scale;
 };
 
-//! Most KV splits per (request, kv head) the decode kernel's merge takes.
+//! Most KV splits per (request, kv head) the decode op accepts (the binding checks it; the merge
+//! itself takes any count, in rounds of 8 per thread group).
 constexpr int kMaxSplits = 8192;
 
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).

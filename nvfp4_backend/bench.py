@@ -1,8 +1,9 @@
 """``nvfp4-backend bench``: the decode kernel vs FlashInfer's BF16 / FP8 / NVFP4 decode, one process.
 
 Every implementation runs on caches of the same shape (the NVFP4 peer on the very same bytes),
-timed as CUDA-graph replays with device events (median of many).  Effective bandwidth = the KV
-bytes the format must read / time.  Prints a table, writes JSON and a PNG plot.
+timed as CUDA-graph replays with device events (median of many), two ways (``Timing``).  Effective
+bandwidth = the KV bytes the format must read / time.  Prints a table per timing, writes JSON and a
+PNG plot (isolated times).
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ class Timing:
     """Median microseconds of one call, timed two ways.
 
     isolated: each replay alone between two events, the GPU idle before it, so the time includes the
-    replay's launch latency (a few us); the issue's peer table was measured this way.
+    replay's launch latency (a few us) and finds in L2 whatever the previous replay left there (a
+    decode cache is mostly larger than L2; the writer's 64 MB input is not); the issue's peer table
+    was measured this way.
     back_to_back: replays enqueued ahead of the GPU (no launch gap), each after a read of 256 MB that
     evicts what the previous one left in L2 (a read, so no dirty lines are written back during the
     timed call): the GPU time an engine's step spends on the call."""
@@ -65,8 +68,9 @@ def _evict_l2(device) -> None:
     buf.sum()
 
 
-def time_graph(fn, iters: int = 50, capture: bool = True) -> Timing:
-    """Medians of one CUDA-graph replay of fn (eager when capture is off or fails), see Timing."""
+def time_graph(fn, iters: int = 50, capture: bool = True, back_to_back: bool = True) -> Timing:
+    """Medians of one CUDA-graph replay of fn (eager when capture is off or fails), see Timing;
+    back_to_back=False skips that timing (its field is then NaN)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -95,6 +99,9 @@ def time_graph(fn, iters: int = 50, capture: bool = True) -> Timing:
         e.record()
         e.synchronize()
         isolated.append(s.elapsed_time(e) * 1e3)
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    if not back_to_back:
+        return Timing(median(isolated), math.nan)
     device = torch.cuda.current_device()
     pairs = [(event(), event()) for _ in range(iters)]
     for s, e in pairs:
@@ -103,7 +110,6 @@ def time_graph(fn, iters: int = 50, capture: bool = True) -> Timing:
         run()
         e.record()
     torch.cuda.synchronize()
-    median = lambda xs: sorted(xs)[len(xs) // 2]
     return Timing(median(isolated), median([s.elapsed_time(e) * 1e3 for s, e in pairs]))
 
 
@@ -288,7 +294,7 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
     ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1)
     # eager for every implementation: the dense path reads lengths on the host and cannot be
     # captured, so graph replays of the peer would not compare like with like
-    t = time_graph(call, args.iters, capture=False).isolated
+    t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
     path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
     rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
                  tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
@@ -300,7 +306,8 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
                 w.plan(qsl, *batch.flashinfer_paging(), hq, hkv, d, page_size, causal=True,
                        q_data_type=torch.bfloat16, kv_data_type=dt)
                 fo = torch.empty_like(q)
-                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters, capture=False).isolated
+                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters, capture=False,
+                                back_to_back=False).isolated
                 row = dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
                            tflops=flops / (tf * 1e-6) / 1e12)
                 if kv == "nvfp4":

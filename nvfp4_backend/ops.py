@@ -154,7 +154,7 @@ class AttentionPlan:
 
 
 MAX_SPLITS = 8192
-"""Most KV splits the kernel's merge takes (csrc/nvfp4_kernels.h kMaxSplits)."""
+"""Most KV splits the decode op accepts (csrc/nvfp4_kernels.h kMaxSplits)."""
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4

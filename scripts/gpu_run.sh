@@ -28,10 +28,10 @@ case $mode in
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
-               --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -12
+               --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -24
              for v in "$@"; do  # variants: "nvcc flags|bench args", each its own build
                NVFP4_BACKEND_NVCC_FLAGS="${v%%|*}" python3 -m nvfp4_backend.cli bench $( [[ $v == *"|"* ]] && echo "${v#*|}" ) --no-peers --grid ${VARIANT_GRID:-64x8192,1x131072,128x512} \
-                 --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | tail -4 | awk -v p="[$v] " '{print p $0}'
+                 --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | grep "^B=" | awk -v p="[$v] " '{print p $0}'
              done ;;
   peers|final) python3 -m nvfp4_backend.cli bench ${PEER_GRID:+--grid $PEER_GRID} ${PEER_PAGES:+--page-sizes $PEER_PAGES} --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
 esac

@@ -279,8 +279,8 @@ def test_long_context_split(gen):
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_many_splits(head_dim, sinks, q_len, gen):
-    """More splits than one round of the merge's loads takes (301: three rounds at head dims 64 and
-    128, five at 256, the last one partial), many of them empty (past a request's end), for each
+    """More splits than one round of the merge's loads takes (301: two rounds at head dim 64, three
+    at 128, five at 256, the last one partial), many of them empty (past a request's end), for each
     head dim's thread groups in the merge; 8 rows (the 1-row-tile kernel) and 16 (two row tiles or
     two row warps).  The other split tests take one round, with one group (5 splits) or several."""
     _check_decode(gen, "HND", head_dim, 16, 4, q_len, torch.bfloat16, num_kv_heads=2, sinks=sinks, splits=301,
