@@ -6,7 +6,9 @@
 //    KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so every
 //    K/V byte is read from memory once per step.
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
-//    into shared memory; page indices are prefetched one stage ahead.
+//    into shared memory; page indices are prefetched one stage ahead.  The one-row-tile kernels
+//    (up to 8 query rows: plain decode) take two stages per loop iteration, one softmax step for
+//    a warp's 16-token sub-tiles of both.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
 //    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
 //    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
@@ -146,6 +148,12 @@ struct Config {
   static constexpr int kDataBytes = kHeadDim / 2;       // per token-head
   static constexpr int kScaleBytes = kHeadDim / 16;
   static constexpr int kTokenWarps = kWarps / kRowWarps;
+  static constexpr int kSubTiles = kTileTokens / 16 / kTokenWarps;  // 16-token sub-tiles per warp and stage
+  // Stages per loop iteration, and sub-tiles per softmax step.  The one-row-warp one-row-tile kernels
+  // take two stages at a time, and a warp's sub-tiles of both share one softmax step: the row maxima's
+  // shuffles, the rescale test and the loop's own work are paid once per 32 tokens instead of 16
+  static constexpr int kTilesPerStep = kRowTiles == 1 && kRowWarps == 1 ? 2 : 1;
+  static constexpr int kStepSubTiles = kTilesPerStep * kSubTiles;
   static constexpr int kRowsPerWarp = kRowTiles * 8;
   static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
   static constexpr int kKSteps = kHeadDim / 16;          // QK k-steps over the head dim
@@ -179,6 +187,8 @@ struct Config {
   static constexpr int kSmemBytes = kQOffset + kQBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
+  static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
+  static_assert(kStages >= 2 * kTilesPerStep, "a step's stages fill while the previous step's are read");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
 };
@@ -209,11 +219,12 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
 // operands in shared memory; no spills at hd128 on sm_80 and sm_90).  The 1-row-tile kernel: 5 at
 // hd128 (its shared memory allows 5; 96 registers, without the bound 111 in bf16, which leaves 4)
-// and 8 at hd64 (64 registers, no spills; unbounded 71, bounded to 5 79); 0 leaves the others to
-// the compiler.
+// and 8 at hd64 (64 registers; unbounded 71, bounded to 5 79).  hd256: 2, what its shared memory
+// allows (unbounded, ptxas gave the fp16 32-row kernel 168 registers and spills); 0 leaves the
+// others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
-                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : 0)
+                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : kHeadDim == 256 ? 2 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -309,8 +320,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const uint32_t data_dst = opaque(smem_addr(smem) + C::data_offset(load_token) + load_half * kHalf);
   const uint32_t scale_dst =
       opaque(smem_addr(smem) + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes);
+  // tiles past the last one, up to a whole step, are copied as zeros (their pages are -1): the step reads them
+  const int step_tiles = (num_tiles + C::kTilesPerStep - 1) / C::kTilesPerStep * C::kTilesPerStep;
   auto issue = [&](int tile, int page) {
-    if (tile < num_tiles) {
+    if (tile < step_tiles) {
       const uint32_t in_page = static_cast<uint32_t>((load_pos + tile * kTileTokens) & page_mask);
       const bool valid = page >= 0;
       const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
@@ -331,10 +344,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   int first_pages[kStages];
 #pragma unroll
   for (int s = 0; s < kStages; ++s) first_pages[s] = page_of(s);
-  int next_page = first_pages[kStages - 1];
+  int next_page[C::kTilesPerStep];
+#pragma unroll
+  for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = first_pages[kStages - C::kTilesPerStep + u];
   auto issue_prologue = [&] {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) issue(s, first_pages[s]);
+    for (int s = 0; s < kStages - C::kTilesPerStep; ++s) issue(s, first_pages[s]);
   };
   // the copies go out before the scale table and the query operands are built, which they then
   // overlap; in KV mode "hadamard" the pipeline buffers first hold the rotated query rows
@@ -448,95 +463,116 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
 
   __syncthreads();  // the scale table (and the Q operands in shared memory) are read by every warp
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();
-    // With one row warp, a warp reads only the 16 tokens of each stage that its own lanes copy
-    // (thread -> token threadIdx.x / 2, warp -> sub-tile token_warp), so a warp barrier orders its
-    // copies and its reads, and the warps need not wait for each other every tile.  Row warps
-    // share their sub-tiles and need the block's barrier.
+  for (int tile = 0; tile < num_tiles; tile += C::kTilesPerStep) {
+    cp_async_wait<kStages - 2 * C::kTilesPerStep>();
+    // With one row warp, a warp reads only the sub-tiles of each stage that its own lanes copy, so a
+    // warp barrier orders its copies and its reads, and the warps need not wait for each other every
+    // tile.  Row warps share their sub-tiles and need the block's barrier.
     if constexpr (C::kTokenWarps == kWarps) __syncwarp();
     else __syncthreads();
-    issue(tile + kStages - 1, next_page);
-    next_page = page_of(tile + kStages);
-    const uint8_t* stage = smem + (tile % kStages) * C::kStageBytes;
+#pragma unroll
+    for (int u = 0; u < C::kTilesPerStep; ++u) issue(tile + kStages - C::kTilesPerStep + u, next_page[u]);
+#pragma unroll
+    for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = page_of(tile + kStages + u);
+    // the step's sub-tile j: this warp's sub-tile j % kSubTiles of stage tile + j / kSubTiles
+    auto stage_of = [&](int j) { return smem + ((tile + j / C::kSubTiles) % kStages) * C::kStageBytes; };
+    auto sub_of = [&](int j) { return token_warp + (j % C::kSubTiles) * C::kTokenWarps; };
 
 #pragma unroll
-    for (int sub = token_warp; sub < kTileTokens / 16; sub += C::kTokenWarps) {
-      const int pos0 = begin + tile * kTileTokens + sub * 16;
-      const uint8_t* k_data = stage + sub * kSubData;
-      const uint8_t* v_data = stage + C::kDataStage + sub * kSubData;
-      const uint8_t* k_scales = stage + 2 * C::kDataStage + sub * kSubScale;
-      const uint8_t* v_scales = stage + 2 * C::kDataStage + C::kScaleStage + sub * kSubScale;
-      // ---- S^T = K Q^T
-      float s_acc[kRowTiles][4];
+    for (int first = 0; first < C::kStepSubTiles; first += C::kTilesPerStep) {
+      constexpr int kJ = C::kTilesPerStep;  // sub-tiles of this softmax step
+      // ---- S^T = K Q^T, per sub-tile
+      float s_acc[kJ][kRowTiles][4];
 #pragma unroll
-      for (int t = 0; t < kRowTiles; ++t)
+      for (int j = 0; j < kJ; ++j) {
+        const uint8_t* stage = stage_of(first + j);
+        const int sub = sub_of(first + j);
+        const uint8_t* k_data = stage + sub * kSubData;
+        const uint8_t* k_scales = stage + 2 * C::kDataStage + sub * kSubScale;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) s_acc[t][i] = 0.f;
-      uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
+        for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
-      for (int w = 0; w < C::kKChunk / 4; w += 2) {
-        *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_a + 4 * w);
-        *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_b + 4 * w);
-      }
+          for (int i = 0; i < 4; ++i) s_acc[j][t][i] = 0.f;
+        uint32_t kwa[C::kKChunk / 4], kwb[C::kKChunk / 4];
 #pragma unroll
-      for (int blk = 0; blk < C::kKChunk / 8; ++blk) {  // one E4M3 scale per 8 bytes
-        const uint32_t sa = scale_lut[k_scales[ks_off_a + blk]];
-        const uint32_t sb = scale_lut[k_scales[ks_off_b + blk]];
+        for (int w = 0; w < C::kKChunk / 4; w += 2) {
+          *reinterpret_cast<uint2*>(&kwa[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_a + 4 * w);
+          *reinterpret_cast<uint2*>(&kwb[w]) = *reinterpret_cast<const uint2*>(k_data + k_off_b + 4 * w);
+        }
 #pragma unroll
-        for (int w2 = 0; w2 < 2; ++w2) {
-          const int w = blk * 2 + w2;
-          uint32_t pa[4], pb[4];
-          unpack_word(kwa[w], pa);
-          unpack_word(kwb[w], pb);
+        for (int blk = 0; blk < C::kKChunk / 8; ++blk) {  // one E4M3 scale per 8 bytes
+          const uint32_t sa = scale_lut[k_scales[ks_off_a + blk]];
+          const uint32_t sb = scale_lut[k_scales[ks_off_b + blk]];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {  // two k-steps per word
-            const int s = 2 * w + h;
-            const uint32_t a[4] = {mul2(pa[2 * h], sa), mul2(pb[2 * h], sb), mul2(pa[2 * h + 1], sa),
-                                   mul2(pb[2 * h + 1], sb)};
+          for (int w2 = 0; w2 < 2; ++w2) {
+            const int w = blk * 2 + w2;
+            uint32_t pa[4], pb[4];
+            unpack_word(kwa[w], pa);
+            unpack_word(kwb[w], pb);
 #pragma unroll
-            for (int t = 0; t < kRowTiles; ++t) {
-              if constexpr (C::kQInSmem) {
-                const uint2 b = q_smem[(t * C::kKSteps + s) * 32 + lane];
-                mma(s_acc[t], a, b.x, b.y);
-              } else {
-                mma(s_acc[t], a, q_frag[t][s][0], q_frag[t][s][1]);
+            for (int h = 0; h < 2; ++h) {  // two k-steps per word
+              const int s = 2 * w + h;
+              const uint32_t a[4] = {mul2(pa[2 * h], sa), mul2(pb[2 * h], sb), mul2(pa[2 * h + 1], sa),
+                                     mul2(pb[2 * h + 1], sb)};
+#pragma unroll
+              for (int t = 0; t < kRowTiles; ++t) {
+                if constexpr (C::kQInSmem) {
+                  const uint2 b = q_smem[(t * C::kKSteps + s) * 32 + lane];
+                  mma(s_acc[j][t], a, b.x, b.y);
+                } else {
+                  mma(s_acc[j][t], a, q_frag[t][s][0], q_frag[t][s][1]);
+                }
               }
             }
           }
         }
       }
-      // ---- online softmax over this 16-token tile.  Masks are needed only where the tile crosses
+      // ---- online softmax over the step's sub-tiles.  Masks are needed only where a sub-tile crosses
       // the end of the range or a query row's position, or with a window (the same predicate per
       // element as before; rows past `rows` may then hold scores, but they are never stored).
-      const bool masked = pos0 + 15 >= end || pos0 + 15 > first_qpos || p.sliding_window > 0;
-      uint32_t p_frag[kRowTiles][2];
+      int pos0[kJ];
+      bool masked[kJ];
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        pos0[j] = begin + (tile + (first + j) / C::kSubTiles) * kTileTokens + sub_of(first + j) * 16;
+        masked[j] = pos0[j] + 15 >= end || pos0[j] + 15 > first_qpos || p.sliding_window > 0;
+      }
+      uint32_t p_frag[kJ][kRowTiles][2];
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
-        float x[4];
+        float x[kJ][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[i] = s_acc[t][i] * score_scale[t][i & 1];
-        // one uniform branch for the four scores: a branch per score (what nvcc made of a test inside
+        for (int j = 0; j < kJ; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) x[j][i] = s_acc[j][t][i] * score_scale[t][i & 1];
+        // one uniform branch for the scores: a branch per score (what nvcc made of a test inside
         // the loop) cost four taken jumps per tile without a cap, each an instruction-fetch stall
         if (soft_cap) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) x[i] = p.logits_soft_cap * tanhf(x[i] / p.logits_soft_cap) * kLog2e;
-        }
-        if (masked) {
+          for (int j = 0; j < kJ; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int pos = pos0 + (i < 2 ? ka : kb);
-            const int qpos = row_pos[t][i & 1];
-            bool ok = pos < end && pos <= qpos;
-            if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
-            if (!ok) x[i] = -INFINITY;
+            for (int i = 0; i < 4; ++i) x[j][i] = p.logits_soft_cap * tanhf(x[j][i] / p.logits_soft_cap) * kLog2e;
+        }
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          if (masked[j]) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int pos = pos0[j] + (i < 2 ? ka : kb);
+              const int qpos = row_pos[t][i & 1];
+              bool ok = pos < end && pos <= qpos;
+              if (p.sliding_window > 0) ok = ok && pos > qpos - p.sliding_window;
+              if (!ok) x[j][i] = -INFINITY;
+            }
           }
         }
         float m_new[2];
         bool grow = false;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          float m = fmaxf(x[i], x[i + 2]);
+          float m = fmaxf(x[0][i], x[0][i + 2]);
+#pragma unroll
+          for (int j = 1; j < kJ; ++j) m = fmaxf(m, fmaxf(x[j][i], x[j][i + 2]));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
@@ -557,48 +593,58 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
             }
           }
         }
-        float p_val[4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float base = (row_max[t][i] == -INFINITY ? 0.f : row_max[t][i]) - kWeightBiasLog2;
-          p_val[i] = fast_exp2(x[i] - base);
-          p_val[i + 2] = fast_exp2(x[i + 2] - base);
-          row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
+        for (int j = 0; j < kJ; ++j) {
+          float p_val[4];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float base = (row_max[t][i] == -INFINITY ? 0.f : row_max[t][i]) - kWeightBiasLog2;
+            p_val[i] = fast_exp2(x[j][i] - base);
+            p_val[i + 2] = fast_exp2(x[j][i + 2] - base);
+            row_sum[t][i] = row_sum[t][i] + p_val[i] + p_val[i + 2];
+          }
+          // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
+          p_frag[j][t][0] = transpose8x8(pack2(p_val[0], p_val[1], __half()));
+          p_frag[j][t][1] = transpose8x8(pack2(p_val[2], p_val[3], __half()));
         }
-        // S^T fragment (tokens x rows) -> P^T operand (k = tokens, n = rows)
-        p_frag[t][0] = transpose8x8(pack2(p_val[0], p_val[1], __half()));
-        p_frag[t][1] = transpose8x8(pack2(p_val[2], p_val[3], __half()));
       }
-      // ---- O^T += V^T P^T
-      uint32_t vw[4][C::kVChunk / 4];
+      // ---- O^T += V^T P^T, per sub-tile
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint8_t* src = v_data + v_off + r * C::kDataBytes;
-        if constexpr (C::kVChunk == 4) vw[r][0] = *reinterpret_cast<const uint32_t*>(src);
-        if constexpr (C::kVChunk == 8) *reinterpret_cast<uint2*>(vw[r]) = *reinterpret_cast<const uint2*>(src);
-        if constexpr (C::kVChunk == 16) *reinterpret_cast<uint4*>(vw[r]) = *reinterpret_cast<const uint4*>(src);
-      }
+      for (int j = 0; j < kJ; ++j) {
+        const uint8_t* stage = stage_of(first + j);
+        const int sub = sub_of(first + j);
+        const uint8_t* v_data = stage + C::kDataStage + sub * kSubData;
+        const uint8_t* v_scales = stage + 2 * C::kDataStage + C::kScaleStage + sub * kSubScale;
+        uint32_t vw[4][C::kVChunk / 4];
 #pragma unroll
-      for (int w = 0; w < C::kVChunk / 4; ++w) {
-        const int sidx = (g * C::kVChunk + 4 * w) / 8;  // 8 bytes per block scale
-        uint32_t sv[4];
+        for (int r = 0; r < 4; ++r) {
+          const uint8_t* src = v_data + v_off + r * C::kDataBytes;
+          if constexpr (C::kVChunk == 4) vw[r][0] = *reinterpret_cast<const uint32_t*>(src);
+          if constexpr (C::kVChunk == 8) *reinterpret_cast<uint2*>(vw[r]) = *reinterpret_cast<const uint2*>(src);
+          if constexpr (C::kVChunk == 16) *reinterpret_cast<uint4*>(vw[r]) = *reinterpret_cast<const uint4*>(src);
+        }
 #pragma unroll
-        for (int r = 0; r < 4; ++r) sv[r] = scale_lut[v_scales[vs_off + r * C::kScaleBytes + sidx]];
-        // {scale of token 0, of token 1}: the low halves of two {s, s} entries
-        const uint32_t s01 = __byte_perm(sv[0], sv[1], 0x5410), s23 = __byte_perm(sv[2], sv[3], 0x5410);
-        // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
-        uint32_t p01[8], p23[8];
-        unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
-        unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
-        unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
-        unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
+        for (int w = 0; w < C::kVChunk / 4; ++w) {
+          const int sidx = (g * C::kVChunk + 4 * w) / 8;  // 8 bytes per block scale
+          uint32_t sv[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles of this word (2 head-dim rows each)
-          const int d = w * 4 + q;
-          const uint32_t a[4] = {mul2(p01[2 * q], s01), mul2(p01[2 * q + 1], s01), mul2(p23[2 * q], s23),
-                                 mul2(p23[2 * q + 1], s23)};
+          for (int r = 0; r < 4; ++r) sv[r] = scale_lut[v_scales[vs_off + r * C::kScaleBytes + sidx]];
+          // {scale of token 0, of token 1}: the low halves of two {s, s} entries
+          const uint32_t s01 = __byte_perm(sv[0], sv[1], 0x5410), s23 = __byte_perm(sv[2], sv[3], 0x5410);
+          // interleave two tokens' bytes so each unpacked pair holds one head-dim index of both
+          uint32_t p01[8], p23[8];
+          unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p01[0]));
+          unpack_word(__byte_perm(vw[0][w], vw[1][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p01[4]));
+          unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x5410), *reinterpret_cast<uint32_t(*)[4]>(&p23[0]));
+          unpack_word(__byte_perm(vw[2][w], vw[3][w], 0x7632), *reinterpret_cast<uint32_t(*)[4]>(&p23[4]));
 #pragma unroll
-          for (int t = 0; t < kRowTiles; ++t) mma(o_acc[t][d], a, p_frag[t][0], p_frag[t][1]);
+          for (int q = 0; q < 4; ++q) {  // 8 pairs -> 4 m-tiles of this word (2 head-dim rows each)
+            const int d = w * 4 + q;
+            const uint32_t a[4] = {mul2(p01[2 * q], s01), mul2(p01[2 * q + 1], s01), mul2(p23[2 * q], s23),
+                                   mul2(p23[2 * q + 1], s23)};
+#pragma unroll
+            for (int t = 0; t < kRowTiles; ++t) mma(o_acc[t][d], a, p_frag[j][t][0], p_frag[j][t][1]);
+          }
         }
       }
     }

@@ -267,5 +267,14 @@ def test_gpu_kernel_path_agrees_with_reference_path(monkeypatch):
     assert kern.shape == ref.shape and torch.isfinite(kern).all()
     # first decode step: identical cache bytes, so only the attention arithmetic differs
     torch.testing.assert_close(kern[128], ref[128], atol=0.1, rtol=0)
-    assert (kern[128:].argmax(-1) == ref[128:].argmax(-1)).float().mean() >= 0.95
+    # later steps also write the kernels' slightly different hidden states into the cache
+    torch.testing.assert_close(kern[128:], ref[128:], atol=0.25, rtol=0)
+    # the same next token wherever the reference is not a near-tie: a top-two margin below twice that
+    # first-step tolerance can flip on rounding alone (the random model's 64 steps hold some 16 margins
+    # below 0.05; the 95 %-of-steps rule this replaces failed at 60 of 64, every flip at a margin of
+    # 0.005-0.021)
+    top2 = ref[128:].float().topk(2, dim=-1).values
+    decided = top2[:, 0] - top2[:, 1] > 0.2
+    assert decided.sum() >= 10, "too few decided steps for the token check"
+    assert torch.equal(kern[128:].argmax(-1)[decided], ref[128:].argmax(-1)[decided])
     assert abs(ppl(kern, tokens) / ppl(ref, tokens) - 1) < 0.04
