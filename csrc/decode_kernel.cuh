@@ -6,9 +6,9 @@
 //    KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so every
 //    K/V byte is read from memory once per step.
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
-//    into shared memory; page indices are prefetched one stage ahead.  The one-row-tile kernels
-//    of hd64 and hd128 (up to 8 query rows: plain decode) take two stages per loop iteration, one
-//    softmax step for a warp's 16-token sub-tiles of both.
+//    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-tile
+//    kernels of hd64 and hd128 (up to 8 query rows: plain decode) take two stages per iteration,
+//    one softmax step for a warp's 16-token sub-tiles of both.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
 //    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
 //    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
@@ -189,7 +189,7 @@ struct Config {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
-  static_assert(kStages >= 2 * kTilesPerStep, "a step's stages fill while the previous step's are read");
+  static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
   static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
 };
@@ -219,10 +219,11 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
 // operands in shared memory; no spills at hd128 on sm_80 and sm_90).  The 1-row-tile kernel: 5 at
-// hd128 (its shared memory allows 5; 96 registers, without the bound 111 in bf16, which leaves 4)
-// and 8 at hd64 (64 registers; unbounded 71, bounded to 5 79).  hd256: 2, what its shared memory
-// allows (unbounded, ptxas gave the fp16 32-row kernel 168 registers and spills); 0 leaves the
-// others to the compiler.
+// hd128 (its shared memory allows 5; 96 registers, unbounded some 120, which leaves 4) and 8 at
+// hd64 (64 registers); both with two stages per iteration spill a little (1-6 local loads per 32
+// tokens), measured faster than one stage per iteration without spills.  hd256: 2, what its shared
+// memory allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
+// spills); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
                                             : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : kHeadDim == 256 ? 2 : 0)
@@ -341,7 +342,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     cp_async_commit();
   };
   // the first stages' page indices load together (one table latency before the first copies, not
-  // a chain of them); later ones load one stage ahead of their copies
+  // a chain of them); later ones load one loop iteration ahead of their copies
   int first_pages[kStages];
 #pragma unroll
   for (int s = 0; s < kStages; ++s) first_pages[s] = page_of(s);
@@ -547,7 +548,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) x[j][i] = s_acc[j][t][i] * score_scale[t][i & 1];
         // one uniform branch for the scores: a branch per score (what nvcc made of a test inside
-        // the loop) cost four taken jumps per tile without a cap, each an instruction-fetch stall
+        // the loop) cost four taken jumps per 16 tokens without a cap, each an instruction-fetch stall
         if (soft_cap) {
 #pragma unroll
           for (int j = 0; j < kJ; ++j)
