@@ -7,8 +7,8 @@
 //    K/V byte is read from memory once per step.
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
 //    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-tile
-//    kernels of hd64 and hd128 (up to 8 query rows: plain decode) take two stages per iteration,
-//    one softmax step for a warp's 16-token sub-tiles of both.
+//    kernels of hd64 and hd128 (up to 8 query rows: plain decode) and hd64's two-row-tile kernel
+//    (up to 16) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
 //    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
 //    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
@@ -152,8 +152,10 @@ struct Config {
   // Stages per loop iteration, and sub-tiles per softmax step.  The one-row-warp one-row-tile kernels
   // take two stages at a time, and a warp's sub-tiles of both share one softmax step: the row maxima's
   // shuffles, the rescale test and the loop's own work are paid once per 32 tokens instead of 16
-  // (hd128 / hd64 3-10 % faster; hd256, whose tile work is twice hd128's, was 1 % slower at 64 x 8192)
-  static constexpr int kTilesPerStep = kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 2 : 1;
+  // (hd128 / hd64 3-10 % faster; hd256, whose tile work is twice hd128's, was 1 % slower at 64 x 8192).
+  // The two-row-tile kernel (up to 16 rows: q_len 4 at group 4) pairs at hd64 only: at hd128 it would
+  // spill some 20 registers per 32 tokens under its bound of 128
+  static constexpr int kTilesPerStep = kRowWarps == 1 && kHeadDim <= (kRowTiles == 1 ? 128 : 64) ? 2 : 1;
   static constexpr int kStepSubTiles = kTilesPerStep * kSubTiles;
   static constexpr int kRowsPerWarp = kRowTiles * 8;
   static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
