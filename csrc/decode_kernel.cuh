@@ -2,9 +2,13 @@
 // paged_decode_hd*.cu files, one per head dim, so ninja builds them in parallel.
 //
 // Design (see DESIGN.md "Facts for the decode kernel"):
-//  * grid (num_splits, num_kv_heads, batch): one thread block streams one split of one request's
-//    KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so every
-//    K/V byte is read from memory once per step.
+//  * grid (num_splits, num_kv_heads / heads_per_block, batch): one thread block streams one split of
+//    one request's KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so
+//    every K/V byte is read from memory once per step.  Plain decode with few rows per head may pack
+//    2 or 4 kv heads into a block (heads_per_block): each stage then holds 32 or 16 tokens of each
+//    head, each warp streams one head's share, and the block's rows are the heads' rows side by side.
+//    Half or a quarter as many blocks, each as long: a grid of more blocks than fit at once (many
+//    short requests) takes one wave instead of two, and pays each block's start and end once.
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
 //    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-tile
 //    kernels of hd64 and hd128 (up to 8 query rows: plain decode) and hd64's two-row-tile kernel
@@ -172,10 +176,12 @@ struct Config {
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
   static constexpr int kPipelineBytes = kStages * kStageBytes;
   // per token warp and row: the output row, its running max and sum; then per row the token warps'
-  // weights, v_scale / sum and the sum; then per row the offset of its output row (8-byte aligned)
+  // weights, v_scale / sum and the sum; then per row the offset of its output (or partial) row
+  // (8-byte aligned), and the mask of the token warps that streamed its kv head
   static constexpr int kFactorBytes = (kTokenWarps * kMaxRows * (kHeadDim + 2) + kMaxRows * (kTokenWarps + 2)) * 4;
   static constexpr int kOutOffsets = (kFactorBytes + 7) / 8 * 8;
-  static constexpr int kMergeBytes = kOutOffsets + kMaxRows * 8;
+  static constexpr int kLiveWarps = kOutOffsets + kMaxRows * 8;
+  static constexpr int kMergeBytes = kLiveWarps + kMaxRows * 4;
   static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
@@ -233,10 +239,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
 
-  const int split = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
+  const int split = blockIdx.x, req = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;  // MMA group id / thread-in-group
   const int row_warp = warp / C::kTokenWarps, token_warp = warp % C::kTokenWarps;
+  // the block's kv heads (heads_per_block > 1 only with one row warp and q_len 1, the binding checks):
+  // token warp w streams head w >> warp_head_shift, whose tiles are tokens_per_tile = 64 >> head_shift
+  // long; its 16 tokens of each are sub-tile (w & sub_mask)
+  const int head_shift = p.heads_per_block_log2;
+  const int kv_base = blockIdx.y << head_shift;
+  const int heads_here = min(1 << head_shift, p.num_kv_heads - kv_base);
+  const int tile_shift = 6 - head_shift, warp_head_shift = 2 - head_shift, sub_mask = (4 >> head_shift) - 1;
+  // query row r: token r / row_group of the request, q head kv_base * group + r % row_group (with
+  // several heads q_len is 1, so the rows are the heads' q heads in order)
+  const int row_group = p.group_size << head_shift;
 
   // the request's three loads go out together (the early return for an empty request comes after
   // the query loads: before them, nvcc sank the sequence length's load below it, a second memory
@@ -244,12 +260,13 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int q_start = p.query_start_loc[req];
   const int q_len = p.query_start_loc[req + 1] - q_start;
   const int seq_len = p.seq_lens[req];
-  // max_rows bounds the partial-output rows; the host sizes it from max_query_len
-  const int rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
-  // query row -> the element offset of its (token, head) = (row / group, kv_head * group + row % group)
+  // max_rows bounds the partial-output rows per kv head; the host sizes it from max_query_len
+  const int head_rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
+  const int rows = head_rows * heads_here;
+  // query row -> the element offset of its (token, head) = (row / row_group, kv_base * group + row % row_group)
   // in q or out, given their strides
   auto row_offset = [&](int row, int64_t stride_token, int64_t stride_head) {
-    return (int64_t)(q_start + row / p.group_size) * stride_token + (int64_t)(kv_head * p.group_size + row % p.group_size) * stride_head;
+    return (int64_t)(q_start + row / row_group) * stride_token + (int64_t)(kv_base * p.group_size + row % row_group) * stride_head;
   };
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
@@ -267,8 +284,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       // row_offset(live ? row : 0, ...) spelled out: that form compiles to a different prologue,
       // which has not been measured
       const unsigned short* qrow = reinterpret_cast<const unsigned short*>(
-          static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / p.group_size : 0)) * p.q_stride_token +
-          (int64_t)(kv_head * p.group_size + (live ? row % p.group_size : 0)) * p.q_stride_head);
+          static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
+          (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head);
 #pragma unroll
       for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
@@ -286,7 +303,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int split_len = (kv_len + p.num_splits - 1) / p.num_splits;
   const int begin = kv_begin + split * split_len;
   const int end = min(begin + split_len, seq_len);
-  const int num_tiles = end > begin ? (end - begin + kTileTokens - 1) / kTileTokens : 0;
+  const int num_tiles = end > begin ? (end - begin + (kTileTokens >> head_shift) - 1) >> tile_shift : 0;
 
   // scores in log2 units: exp2(s * qk_scale_log2) == exp(s * softmax_scale * k_global * 2^7)
   const float qk_scale = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias;
@@ -297,26 +314,32 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   uint32_t* scale_lut = reinterpret_cast<uint32_t*>(smem + C::kLutOffset);
 
-  // ---------------- pipeline: thread -> (token, half) of each stage
+  // ---------------- pipeline: thread -> (token, half) of each stage; the token is one of its warp's
+  // 16 of the stage, which are tokens (w & sub_mask) * 16 .. + 15 of head w >> warp_head_shift's part
   const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
+  const int load_warp = load_token >> 4, load_head = load_warp >> warp_head_shift;
+  const bool load_live = load_head < heads_here;  // a block's last kv heads may be fewer
+  const int load_kv_head = kv_base + (load_live ? load_head : 0);
   const int page_mask = (1 << p.page_size_log2) - 1;
   // the loop-invariant parts of the copies are opaque(): held in registers, where nvcc would
   // otherwise recompute them from the parameters and the thread index for every tile (some 50
   // instructions per tile)
   const int* table = opaque(p.block_table + (int64_t)req * p.block_table_stride);
-  const int load_pos = static_cast<int>(opaque(static_cast<uint32_t>(begin + load_token)));  // at tile 0
+  const int load_pos = static_cast<int>(  // at tile 0
+      opaque(static_cast<uint32_t>(begin + (load_warp & sub_mask) * 16 + (load_token & 15))));
+  const int load_end = load_live ? end : begin;  // nothing to copy for a head the block lacks
   auto page_of = [&](int tile) -> int {
-    const int pos = load_pos + tile * kTileTokens;
-    return (tile < num_tiles && pos < end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+    const int pos = load_pos + (tile << tile_shift);
+    return (tile < num_tiles && pos < load_end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
   // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
   // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
   // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
   constexpr int kHalf = C::kDataBytes / 2;
-  const uint8_t* k_src = opaque(p.k_data + kv_head * p.data_strides.head + load_half * kHalf);
-  const uint8_t* v_src = opaque(p.v_data + kv_head * p.data_strides.head + load_half * kHalf);
+  const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + load_half * kHalf);
+  const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + load_half * kHalf);
   const uint8_t* scale_src =
-      opaque((load_half ? p.v_block_scales : p.k_block_scales) + kv_head * p.scale_strides.head);
+      opaque((load_half ? p.v_block_scales : p.k_block_scales) + load_kv_head * p.scale_strides.head);
   const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
   const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
   const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
@@ -328,7 +351,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int step_tiles = (num_tiles + C::kTilesPerStep - 1) / C::kTilesPerStep * C::kTilesPerStep;
   auto issue = [&](int tile, int page) {
     if (tile < step_tiles) {
-      const uint32_t in_page = static_cast<uint32_t>((load_pos + tile * kTileTokens) & page_mask);
+      const uint32_t in_page = static_cast<uint32_t>((load_pos + (tile << tile_shift)) & page_mask);
       const bool valid = page >= 0;
       const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
       const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
@@ -390,7 +413,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
-      row_pos[t][i] = r < rows ? seq_len - q_len + r / p.group_size : -1;
+      row_pos[t][i] = r < rows ? seq_len - q_len + r / row_group : -1;
     }
   }
 
@@ -538,7 +561,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       bool masked[kJ];
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        pos0[j] = begin + (tile + (first + j) / C::kSubTiles) * kTileTokens + sub_of(first + j) * 16;
+        pos0[j] = begin + ((tile + (first + j) / C::kSubTiles) << tile_shift) + (sub_of(first + j) & sub_mask) * 16;
         masked[j] = pos0[j] + 15 >= end || pos0[j] + 15 > first_qpos || p.sliding_window > 0;
       }
       uint32_t p_frag[kJ][kRowTiles][2];
@@ -687,33 +710,45 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
   __syncthreads();
 
-  // per row, once: each token warp's weight, and the row's normalization
+  // per row, once: each token warp's weight, and the row's normalization.  A row merges the token
+  // warps that streamed its kv head (all of them unless the block packs heads); the others computed
+  // it against another head's keys, so they must not enter it, not even times 0 (NaN * 0)
   const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
-  const int64_t part = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits + split;
   float* row_factors = merge_ml + C::kTokenWarps * C::kMaxRows * 2;  // [rows][token warps + 2]
   int64_t* out_offsets = reinterpret_cast<int64_t*>(smem + C::kOutOffsets);  // [rows]
+  int* live_warps = reinterpret_cast<int*>(smem + C::kLiveWarps);         // [rows]
   for (int row = threadIdx.x; row < rows; row += kThreads) {
+    const int head = row / head_rows;  // of the block's heads
+    auto live = [&](int w) { return (w >> warp_head_shift) == head; };
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < C::kTokenWarps; ++w) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
+    for (int w = 0; w < C::kTokenWarps; ++w)
+      if (live(w)) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
     const float base = m == -INFINITY ? 0.f : m;
     float l = 0.f;
+    int live_mask = 0;
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w) {
+      if (!live(w)) continue;
       const float f = exp2f(merge_ml[(w * C::kMaxRows + row) * 2] - base);
       row_factors[row * (C::kTokenWarps + 2) + w] = f;
       l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
+      live_mask |= 1 << w;
     }
-    if (p.num_splits > 1) {  // the partial rows stay unnormalized
-      p.partial_max[part * p.max_rows + row] = m;
-      p.partial_sum[part * p.max_rows + row] = l;
+    live_warps[row] = live_mask;
+    if (p.num_splits > 1) {  // the partial rows stay unnormalized; row's partial row index
+      const int64_t part = ((int64_t)req * p.num_kv_heads + kv_base + head) * p.num_splits + split;
+      out_offsets[row] = part * p.max_rows + row - head * head_rows;
+      p.partial_max[out_offsets[row]] = m;
+      p.partial_sum[out_offsets[row]] = l;
     } else {
       if (p.sinks != nullptr) {
-        const float sink = __ldg(p.sinks + kv_head * p.group_size + row % p.group_size) * kLog2e;
+        const float sink = __ldg(p.sinks + kv_base * p.group_size + row % row_group) * kLog2e;
         const float m2 = fmaxf(m, sink);
         const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
 #pragma unroll
-        for (int w = 0; w < C::kTokenWarps; ++w) row_factors[row * (C::kTokenWarps + 2) + w] *= f;
+        for (int w = 0; w < C::kTokenWarps; ++w)
+          if (live(w)) row_factors[row * (C::kTokenWarps + 2) + w] *= f;
         l = l * f + exp2f(sink - m2 + kWeightBiasLog2);
       }
       row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps] = v_scale / l;
@@ -728,14 +763,16 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
     const int row = idx / kHeadDim, d = idx % kHeadDim;
     const float* factors = row_factors + row * (C::kTokenWarps + 2);
+    const int live_mask = live_warps[row];
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < C::kTokenWarps; ++w) o += factors[w] * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
+    for (int w = 0; w < C::kTokenWarps; ++w)
+      if (live_mask >> w & 1) o += factors[w] * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
     // with rotation the rows are rotated back below (the merge is linear in them); this element's
     // token-warp-0 slot was read above by this thread only, so it can hold the value
     if (p.num_splits > 1) {
       if (p.hadamard) merge_out[row * kHeadDim + d] = o;
-      else p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = o;
+      else p.partial_out[out_offsets[row] * kHeadDim + d] = o;
       continue;
     }
     // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
@@ -752,7 +789,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
       const float value = merge_out[row * kHeadDim + d] * p.hadamard_scale;
       if (p.num_splits > 1) {
-        p.partial_out[(part * p.max_rows + row) * kHeadDim + d] = value;
+        p.partial_out[out_offsets[row] * kHeadDim + d] = value;
       } else {
         store(out_row(row) + d, value);
       }
@@ -852,7 +889,7 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_splits, p.num_kv_heads, p.batch);
+  const dim3 grid(p.num_splits, (p.num_kv_heads + (1 << p.heads_per_block_log2) - 1) >> p.heads_per_block_log2, p.batch);
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T, kHeadDim>

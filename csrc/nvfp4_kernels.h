@@ -59,6 +59,9 @@ struct DecodeParams {
   int sliding_window;                                   // 0 = off; else visible tokens incl. own
   int batch, num_kv_heads, group_size, head_dim, page_size_log2, num_splits;
   int max_rows;                                         // max_query_len * group_size
+  // kv heads per thread block, log2 (0, 1, 2): more than one only with max_query_len 1 and
+  // group_size << heads_per_block_log2 <= 8 (decode_heads_per_block_ok); the partial rows stay per kv head
+  int heads_per_block_log2;
   QueryType dtype;
   // KV mode "hadamard" (the cache holds k H, v H): q is rotated by H and the output rotated back
   // by H inside the kernel (fp32 butterflies, then one multiply by hadamard_scale = 1/sqrt(D))
@@ -85,5 +88,8 @@ cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream);
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
 //! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
 int decode_max_rows(int head_dim);
+//! Whether a block may serve 1 << heads_per_block_log2 kv heads: plain decode (max_rows ==
+//! group_size, i.e. max_query_len 1) whose packed rows fit the one-row-tile kernel's 8.
+bool decode_heads_per_block_ok(int heads_per_block_log2, int max_rows, int group_size);
 
 }  // namespace nvfp4

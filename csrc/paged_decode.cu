@@ -14,9 +14,15 @@ int decode_max_rows(int head_dim) {
   }
 }
 
+bool decode_heads_per_block_ok(int heads_per_block_log2, int max_rows, int group_size) {
+  if (heads_per_block_log2 < 0 || heads_per_block_log2 > 2) return false;
+  return heads_per_block_log2 == 0 || (max_rows == group_size && (max_rows << heads_per_block_log2) <= 8);
+}
+
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.max_rows <= 0 || p.max_rows > decode_max_rows(p.head_dim)) return cudaErrorInvalidValue;
   if (p.num_splits < 1 || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  if (!decode_heads_per_block_ok(p.heads_per_block_log2, p.max_rows, p.group_size)) return cudaErrorInvalidValue;
   switch (p.head_dim) {
     case 64: return launch_paged_decode_hd64(p, stream);
     case 128: return launch_paged_decode_hd128(p, stream);

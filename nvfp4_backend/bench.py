@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
                         "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None, help="override the split planner's target")
+    p.add_argument("--heads-per-block", type=int, default=None,
+                   help="kv heads per decode thread block for q_len 1 (1, 2, 4; default: the planner's choice)")
     p.add_argument("--out", default="bench.json")
     p.add_argument("--plot", default="bench.png")
 
@@ -162,12 +164,13 @@ class UniformBatch:
     def batch_size(self) -> int:
         return self.table.shape[0]
 
-    def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None):
+    def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None,
+                  heads_per_block: int | None = None):
         """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl)."""
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
-                                  self.seq_len, cache.head_dim)
+                                  self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
@@ -220,12 +223,14 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
     for q_len, mode in variants:
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
         # same bytes; a rotating mode adds q H and out H
-        call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode))
+        call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode),
+                                               getattr(args, "heads_per_block", None))
         nref = min(B, 2)
         ref = batch.reference(q[: nref * q_len], qsl[: nref + 1], nref, rotated=mode.rotation == "hadamard")
         t = time_graph(call, args.iters)
         row = dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=q_len, **_timed(t, kv_bytes),
-                   rel_err=_rel_err(out[: nref * q_len], ref), splits=plan.num_splits)
+                   rel_err=_rel_err(out[: nref * q_len], ref), splits=plan.num_splits,
+                   heads_per_block=plan.heads_per_block)
         if mode != KVMode():
             row["mode"] = mode.name
         rows.append(row)
@@ -400,6 +405,7 @@ def _fmt_rows(rows) -> str:
     return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
                      f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
                      + (f" splits={r['splits']}" if 'splits' in r else "")
+                     + (f" heads/block={r['heads_per_block']}" if r.get('heads_per_block', 1) > 1 else "")
                      for r in rows)
 
 

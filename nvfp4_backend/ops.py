@@ -29,7 +29,7 @@ _lib.define(
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
     "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
     "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
-    "str rotation=\"none\") -> ()")
+    "str rotation=\"none\", int heads_per_block=1) -> ()")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -145,9 +145,12 @@ def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
 # ============================================================================ attention
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Host-side decisions for one step, made once (outside CUDA graphs) by the metadata builder."""
+    """Host-side decisions for one step, made once (outside CUDA graphs) by the metadata builder:
+    the split-KV count, the workspace the splits need, and how many kv heads one thread block
+    serves (more than one only for plain decode with few query rows per kv head)."""
     num_splits: int
     workspace_bytes: int
+    heads_per_block: int = 1
 
     def allocate_workspace(self, device) -> torch.Tensor:
         return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)
@@ -171,26 +174,52 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _pick_heads_per_block(blocks: int, group_size: int, max_query_len: int, num_sms: int) -> int:
+    """Kv heads per thread block: packing 2 (or 4) heads makes half (a quarter) as many blocks, each
+    as long, which pays when the (request, kv head) blocks exceed what is resident at once (the split
+    planner's SPLIT_BLOCKS_PER_SM per SM): many short requests then take one wave, not two."""
+    heads_per_block = 1
+    while (heads_per_block < 4 and heads_per_block_allowed(group_size, max_query_len, 2 * heads_per_block)
+           and blocks > heads_per_block * SPLIT_BLOCKS_PER_SM * num_sms):
+        heads_per_block *= 2
+    return heads_per_block
+
+
+def heads_per_block_allowed(group_size: int, max_query_len: int, heads_per_block: int) -> bool:
+    """Whether a decode thread block may serve ``heads_per_block`` kv heads (csrc
+    decode_heads_per_block_ok): plain decode whose packed rows fit the 8 of one row tile."""
+    return heads_per_block == 1 or (heads_per_block in (2, 4) and max_query_len == 1
+                                     and heads_per_block * group_size <= 8)
+
+
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
-                   max_seq_len: int, head_dim: int, num_sms: int = 132) -> AttentionPlan:
+                   max_seq_len: int, head_dim: int, num_sms: int = 132,
+                   heads_per_block: int | None = None) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
+    ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
     """
     from . import jit
+    if heads_per_block is not None and not heads_per_block_allowed(group_size, max_query_len, heads_per_block):
+        raise ValueError(f"heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
+                         f"group_size <= 8; got {heads_per_block} (max_query_len {max_query_len}, group_size "
+                         f"{group_size})")
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
-    blocks = max(batch_size * num_kv_heads, 1)
+    if heads_per_block is None:
+        heads_per_block = _pick_heads_per_block(batch_size * num_kv_heads, group_size, max_query_len, num_sms)
+    blocks = max(batch_size * -(-num_kv_heads // heads_per_block), 1)
     full = rows <= 8 or (rows <= 16 and head_dim <= 128)
     per_sm = SPLIT_BLOCKS_PER_SM if full else max(1, SPLIT_BLOCKS_PER_SM // 2)
     splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
-        return AttentionPlan(1, 0)
+        return AttentionPlan(1, 0, heads_per_block)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
     per = rows * (head_dim + 2) * 4
-    return AttentionPlan(splits, batch_size * num_kv_heads * splits * per)
+    return AttentionPlan(splits, batch_size * num_kv_heads * splits * per, heads_per_block)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -255,6 +284,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                               max_seq_len, cache.head_dim, num_sms(dev))
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
+    if not heads_per_block_allowed(q.shape[1] // cache.num_kv_heads, max_query_len, plan.heads_per_block):
+        raise ValueError(f"plan.heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
+                         f"group_size <= 8; got {plan.heads_per_block} (max_query_len {max_query_len}, group_size "
+                         f"{q.shape[1] // cache.num_kv_heads})")
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.device != dev:
@@ -267,7 +300,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     torch.ops.nvfp4_backend.paged_attention(
         out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace, cache.mode.rotation)
+        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block)
     return out
 
 
@@ -304,7 +337,8 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
 
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
-                          logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none") -> None:
+                          logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none",
+                          heads_per_block=1) -> None:
     from . import jit
     kernel = (q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data)
               and jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]))
@@ -312,7 +346,7 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
         jit.load(q.device).paged_attention(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, max_query_len,
-            num_splits, workspace, rotation)
+            num_splits, workspace, rotation, heads_per_block)
         return
     rotated = rotation == "hadamard"
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)

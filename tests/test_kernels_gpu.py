@@ -110,7 +110,7 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits"])
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed"])
 def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
@@ -118,9 +118,11 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     on those bytes, given the rotated q rounded as the kernel rounds it, with the output rotated
     back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
     block serves (several row warps share the rotated-q buffer), 301 splits of 16-row blocks (the
-    partial rows rotated back, then the merge); rows past the batch untouched."""
+    partial rows rotated back, then the merge), both kv heads in one block (plain decode, split);
+    rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
-    group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4)}.get(case, (4, 2))
+    group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4),
+                    "packed": (4, 1)}.get(case, (4, 2))
     seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
@@ -141,7 +143,8 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     q = torch.cat([batch.q, torch.randn(2, *batch.q.shape[1:], device=DEV).to(dtype)])  # 2 rows past the batch
     out = torch.full_like(q, float("nan"))
     sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
-    plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)))
+    plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)),
+                              heads_per_block=2 if case == "packed" else None)
     if case == "single":
         plan = ops.AttentionPlan(1, 0)
     if case == "many_splits":
@@ -187,6 +190,37 @@ def test_decode_matrix(head_dim, page_size, group, q_len, gen):
 def test_decode_features(layout, dtype, window, soft_cap, sinks, splits, gen):
     _check_decode(gen, layout, 128, 16, 4, 3, dtype, num_kv_heads=3, window=window, soft_cap=soft_cap,
                   sinks=sinks, splits=splits)
+
+
+def _packed_cases():
+    """Blocks of 2 or 4 kv heads (plain decode): each head dim, page sizes from 1 to 128, every group
+    whose packed rows fit 8 (3: rows per head not a power of two), kv head counts that leave the last
+    block short (3, 5) or not, and split-KV, which writes each head's partial rows."""
+    cases = []
+    for i, (head_dim, page_size, (group, heads_per_block), num_kv_heads) in enumerate(itertools.product(
+            [64, 128, 256], [1, 16, 64, 128], [(1, 2), (1, 4), (2, 2), (2, 4), (3, 2), (4, 2)], [3, 4, 5])):
+        cases.append((head_dim, page_size, group, heads_per_block, num_kv_heads, [1, 5][i % 2]))
+    return cases
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,heads_per_block,num_kv_heads,splits", _packed_cases())
+def test_decode_packed_heads(head_dim, page_size, group, heads_per_block, num_kv_heads, splits, gen):
+    layout = LAYOUTS[(head_dim + page_size + group + num_kv_heads) % len(LAYOUTS)]
+    if page_size == 1 and layout.startswith("inline"):
+        layout = "token_rows"
+    dtype = torch.bfloat16 if (page_size + num_kv_heads) % 2 else torch.float16
+    _check_decode(gen, layout, head_dim, page_size, group, 1, dtype, num_kv_heads, splits=splits,
+                  heads_per_block=heads_per_block)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,soft_cap,sinks", [(37, None, False), (None, 30.0, False), (None, None, True),
+                                                   (100, 20.0, True)])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_packed_heads_features(dtype, window, soft_cap, sinks, splits, gen):
+    """Window, soft cap and sinks with 4 kv heads per block, 5 kv heads (the last block has one)."""
+    _check_decode(gen, "HND", 128, 16, 2, 1, dtype, num_kv_heads=5, window=window, soft_cap=soft_cap,
+                  sinks=sinks, splits=splits, heads_per_block=4)
 
 
 # ----------------------------------------------------------------------------- extend (prefill) path
@@ -244,7 +278,7 @@ def test_extend_path_matches_reference(layout, dtype, gather_tokens, gen, monkey
 
 
 def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, window=None, soft_cap=None,
-                  sinks=False, splits=None, seq_lens=None):
+                  sinks=False, splits=None, seq_lens=None, heads_per_block=1):
     seq_lens = seq_lens or [q_len + int(x) for x in torch.randint(0, 700, (4,), generator=gen)]
     seq_lens[0] = q_len  # only the new tokens
     q_lens = [q_len] * len(seq_lens)
@@ -256,9 +290,12 @@ def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_
     kg, vg = _scales(gen)
     sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
     scale = 1 / math.sqrt(head_dim)
-    plan = ops.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim)
+    plan = ops.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim,
+                              heads_per_block=heads_per_block)
     if splits is not None:
-        plan = ops.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4)
+        plan = ops.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4,
+                                 heads_per_block)
+    assert plan.heads_per_block == heads_per_block
     out = torch.full_like(batch.q, float("nan"))
     ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, scale,
                         max_query_len=batch.max_query_len, sliding_window=window, logits_soft_cap=soft_cap,
@@ -289,8 +326,9 @@ def test_many_splits(head_dim, sinks, q_len, gen):
 
 def test_binding_rejects_bad_arguments(gen):
     """The binding's own checks, behind the Python ops': too many splits, a misaligned split
-    workspace, too many rows, a float32 or CPU query, a bad scale rule are RuntimeErrors naming the
-    argument (not a crash), and nothing is written."""
+    workspace, too many rows, a float32 or CPU query, kv heads per block that are not 1, 2, 4 or
+    whose rows do not fit, a bad scale rule are RuntimeErrors naming the argument (not a crash), and
+    nothing is written."""
     cache = make_cache("HND", 64, 16, 2, 128, DEV)
     fill_random(cache, gen)
     batch = make_batch([300, 40], [1, 1], 8, 128, 16, 64, torch.bfloat16, gen, DEV)
@@ -299,19 +337,23 @@ def test_binding_rejects_bad_arguments(gen):
     workspace = torch.empty(2 * 2 * (ops.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
     # the messages that format numbers, dtypes and devices matter most: see text() in csrc/binding.cpp
     q32 = batch.q.float()
-    cases = [  # (q, num_splits, workspace, max_query_len, message)
-        (batch.q, ops.MAX_SPLITS + 1, workspace, 1,
+    cases = [  # (q, num_splits, workspace, max_query_len, heads_per_block, message)
+        (batch.q, ops.MAX_SPLITS + 1, workspace, 1, 1,
          rf"num_splits must lie in \[1, {ops.MAX_SPLITS}\], got {ops.MAX_SPLITS + 1}"),
-        (batch.q, 2, workspace[4:], 1, "workspace must be 16-byte aligned"),
-        (batch.q, 1, workspace, 100, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128"),
-        (q32, 1, workspace, 1, "q must be float16 or bfloat16, got Float"),
-        (batch.q.cpu(), 1, workspace, 1, "q must be a CUDA tensor, got cpu")]
-    for q, num_splits, ws, max_query_len, message in cases:
+        (batch.q, 2, workspace[4:], 1, 1, "workspace must be 16-byte aligned"),
+        (batch.q, 1, workspace, 100, 1, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128"),
+        (q32, 1, workspace, 1, 1, "q must be float16 or bfloat16, got Float"),
+        (batch.q.cpu(), 1, workspace, 1, 1, "q must be a CUDA tensor, got cpu"),
+        (batch.q, 1, workspace, 1, 3, "heads_per_block must be 1, 2 or 4, got 3"),
+        (batch.q, 1, workspace, 1, 4, "heads_per_block 4 needs max_query_len 1 and heads_per_block \\* group_size <= 8, "
+                                      "got max_query_len 1 and group_size 4"),
+        (batch.q, 1, workspace, 2, 2, "heads_per_block 2 needs max_query_len 1 .*got max_query_len 2 and group_size 4")]
+    for q, num_splits, ws, max_query_len, heads_per_block, message in cases:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
         with pytest.raises(RuntimeError, match=message):
             kernels.paged_attention(out, q, *cache.tensors(), batch.block_table, batch.seq_lens,
                                     batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, max_query_len, num_splits, ws,
-                                    "none")
+                                    "none", heads_per_block)
         torch.cuda.synchronize()
         assert out.isnan().all(), "out was written although the call was rejected"
     before = [t.clone() for t in cache.tensors()]
@@ -322,13 +364,14 @@ def test_binding_rejects_bad_arguments(gen):
     assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors())), "the cache was written"
 
 
-def test_cuda_graph_replay_and_determinism(gen):
+@pytest.mark.parametrize("heads_per_block", [1, 2])
+def test_cuda_graph_replay_and_determinism(heads_per_block, gen):
     seq_lens, q_lens = [500, 1200, 77], [1, 1, 1]
     cache = make_cache("HND", 200, 16, 2, 128, DEV)
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, 8, 128, 16, 200, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
-    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128)
+    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128, heads_per_block=heads_per_block)
     assert plan.num_splits > 1
     ws = plan.allocate_workspace(DEV)
     out = torch.empty_like(batch.q)
@@ -391,14 +434,18 @@ def test_fuzz_fixed_seeds(seed):
     assert rec["ok"], f"{rec['summary']}: {rec['failure']} (replay: nvfp4-backend fuzz --replay {seed} --max-context 32768)"
 
 
-def test_bad_values_give_the_reference_nan_pattern(gen):
+@pytest.mark.parametrize("heads_per_block", [1, 2])
+def test_bad_values_give_the_reference_nan_pattern(heads_per_block, gen):
     """NaN K / V blocks, a NaN query, all-zero blocks and NaN stale bytes: the kernel's output has
-    exactly the reference's NaN pattern (README, Reliability) and matches it elsewhere."""
+    exactly the reference's NaN pattern (README, Reliability) and matches it elsewhere; with both
+    kv heads in one block too (a NaN of one head must not reach the other's rows)."""
     case = bad_values_case(DEV, gen)
     b = case.batch
     out = torch.full_like(case.q, 7.0)
+    plan = ops.plan_attention(b.seq_lens.shape[0], case.cache.num_kv_heads, case.q.shape[1] // case.cache.num_kv_heads,
+                              1, int(b.seq_lens.max()), case.q.shape[2], heads_per_block=heads_per_block)
     ops.paged_attention(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg, case.vg, 0.1,
-                        out=out)
+                        out=out, plan=plan, max_query_len=1)
     assert torch.equal(torch.isnan(out).cpu(), case.expect_nan)
     assert torch.equal(out[case.zero_rows], torch.zeros_like(out[case.zero_rows]))
     ref = reference.paged_attention_ref(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg,

@@ -191,6 +191,23 @@ def test_plan_attention_workspace_holds_the_partials(batch, kv_heads, group, q_l
     assert more.num_splits <= plan.num_splits                   # a fuller grid never needs more splits
 
 
+@pytest.mark.parametrize("group, q_len, heads_per_block", [(4, 1, 4), (2, 2, 2), (1, 1, 3), (8, 1, 2), (4, 1, 0)])
+def test_plan_attention_rejects_heads_per_block_that_do_not_fit(group, q_len, heads_per_block):
+    """Several kv heads per block only for plain decode whose packed rows fit one row tile (8)."""
+    with pytest.raises(ValueError, match=f"heads_per_block must be 1, or 2 or 4 .* got {heads_per_block}"):
+        ops.plan_attention(64, 8, group, q_len, 4096, 128, heads_per_block=heads_per_block)
+
+
+def test_paged_attention_rejects_a_plan_whose_heads_per_block_do_not_fit(step, cache):
+    """A plan with two kv heads per block (plain decode) used for a step with spec-decode rows: a
+    ValueError naming plan.heads_per_block, and out is not written."""
+    args = _attn_args(step, cache)
+    args["out"] = torch.full_like(step.q, float("nan"))
+    with pytest.raises(ValueError, match="plan.heads_per_block must be 1, or 2 or 4"):
+        ops.paged_attention(**args, plan=ops.AttentionPlan(1, 0, heads_per_block=2))
+    assert args["out"].isnan().all()
+
+
 # ============================================================================ bad input
 def _write_args(step, cache):
     return dict(key=step.key, value=step.value, slot_mapping=step.slot_mapping, cache=cache,
