@@ -191,6 +191,23 @@ def test_plan_attention_workspace_holds_the_partials(batch, kv_heads, group, q_l
     assert more.num_splits <= plan.num_splits                   # a fuller grid never needs more splits
 
 
+@pytest.mark.parametrize("batch", [1, 7, 64, 96, 128, 192, 256, 1000])
+@pytest.mark.parametrize("kv_heads, group, q_len", [(8, 4, 1), (8, 2, 1), (5, 1, 1), (8, 4, 2), (8, 8, 1), (3, 3, 1)])
+def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads, group, q_len):
+    """Several kv heads per block only for plain decode whose rows fit, never together with split-KV
+    (packing is for grids past one wave, splits for grids short of one), and only where the packed
+    grid's waves, each as many times longer as heads are packed, add up to no more than before."""
+    plan = ops.plan_attention(batch, kv_heads, group, q_len, 512, 128, num_sms=132)
+    hb = plan.heads_per_block
+    assert ops.heads_per_block_allowed(group, q_len, hb)
+    slots = ops.SPLIT_BLOCKS_PER_SM * 132
+    if hb > 1:
+        assert plan.num_splits == 1
+        assert math.ceil(batch * -(-kv_heads // hb) / slots) * hb <= math.ceil(batch * kv_heads / slots)
+    if batch * kv_heads <= slots:
+        assert hb == 1  # one wave already: packing would only make the blocks longer
+
+
 @pytest.mark.parametrize("group, q_len, heads_per_block", [(4, 1, 4), (2, 2, 2), (1, 1, 3), (8, 1, 2), (4, 1, 0)])
 def test_plan_attention_rejects_heads_per_block_that_do_not_fit(group, q_len, heads_per_block):
     """Several kv heads per block only for plain decode whose packed rows fit one row tile (8)."""
