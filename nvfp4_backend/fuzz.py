@@ -54,6 +54,7 @@ class FuzzConfig:
     v_scale: float
     softmax_scale: float
     value_amplitude: float
+    heads_per_block: int = 1  # kv heads per decode thread block (the planner packs only big grids)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -65,7 +66,7 @@ class FuzzConfig:
         return (f"seed={self.seed} B={self.batch} L<={max(live, default=0)} D={self.head_dim} Hkv={self.num_kv_heads} "
                 f"G={self.group} q={max(self.q_lens, default=0)} ps={self.page_size} {self.layout} {self.dtype} "
                 f"win={self.sliding_window} cap={self.logits_soft_cap} sinks={self.sinks} "
-                f"kg={self.k_scale:.3g} vg={self.v_scale:.3g}")
+                f"kg={self.k_scale:.3g} vg={self.v_scale:.3g} heads/block={self.heads_per_block}")
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -115,7 +116,15 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
         sinks=rng.random() < 0.2,
         k_scale=_log_uniform(rng, 1e-4, 1e3), v_scale=_log_uniform(rng, 1e-4, 1e3),
         softmax_scale=rng.uniform(0.5, 2.0) / math.sqrt(head_dim),
-        value_amplitude=_log_uniform(rng, 1e-3, 1e3))  # outputs stay inside fp16 (|x| <~ 6e3)
+        value_amplitude=_log_uniform(rng, 1e-3, 1e3),  # outputs stay inside fp16 (|x| <~ 6e3)
+        # drawn last, so the draws above (and each seed's configuration) are what they were; forced,
+        # since the grids here are too small for the planner to pack
+        heads_per_block=_heads_per_block(rng.choice([1, 2, 4]), group, max(q_lens)))
+
+
+def _heads_per_block(drawn: int, group: int, max_query_len: int) -> int:
+    """The drawn kv heads per block where the configuration allows it (plain decode, rows fit), else 1."""
+    return drawn if ops.heads_per_block_allowed(group, max_query_len, drawn) else 1
 
 
 def fp16_weight_allowance(q, k, v, seq_lens, query_start_loc, cfg) -> torch.Tensor:
@@ -193,7 +202,8 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     table, seq, qsl_dev = table.to(device), seq.to(device), qsl.to(device)
     args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
-    plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device))
+    plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device),
+                              heads_per_block=cfg.heads_per_block)
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
               logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
     out = torch.full_like(q, float("nan"))
@@ -201,7 +211,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
     rec.update(path="kernel" if device.type == "cuda" and jit.decode_supports(cfg.group, max(cfg.q_lens), d)
-               else "dense", splits=plan.num_splits)
+               else "dense", splits=plan.num_splits, heads_per_block=plan.heads_per_block)
     got = out[:rows]
     if not torch.isfinite(got).all():
         bad = torch.nonzero(~torch.isfinite(got).all(-1).all(-1)).flatten()[:5].tolist()

@@ -182,6 +182,8 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     L 512, results/h200-2026-11-30-f6bc7ed): B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2, 256 75.1 ->
     70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed)."""
     slots = SPLIT_BLOCKS_PER_SM * num_sms
+    if batch_size * num_kv_heads <= slots:
+        return 1  # one wave already (an empty batch too): packing would only make the blocks longer
     best, best_cost = 1, math.ceil(batch_size * num_kv_heads / slots)
     for heads_per_block in (2, 4):
         if heads_per_block_allowed(group_size, max_query_len, heads_per_block):
@@ -290,7 +292,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                               max_seq_len, cache.head_dim, num_sms(dev))
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
-    if not heads_per_block_allowed(q.shape[1] // cache.num_kv_heads, max_query_len, plan.heads_per_block):
+    # (no query rows at all: nothing runs, whatever the plan)
+    if max_query_len > 0 and not heads_per_block_allowed(q.shape[1] // cache.num_kv_heads, max_query_len,
+                                                         plan.heads_per_block):
         raise ValueError(f"plan.heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
                          f"group_size <= 8; got {plan.heads_per_block} (max_query_len {max_query_len}, group_size "
                          f"{q.shape[1] // cache.num_kv_heads})")

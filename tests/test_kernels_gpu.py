@@ -110,7 +110,7 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed"])
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed", "packed_single"])
 def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
@@ -118,11 +118,11 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     on those bytes, given the rotated q rounded as the kernel rounds it, with the output rotated
     back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
     block serves (several row warps share the rotated-q buffer), 301 splits of 16-row blocks (the
-    partial rows rotated back, then the merge), both kv heads in one block (plain decode, split);
-    rows past the batch untouched."""
+    partial rows rotated back, then the merge), both kv heads in one block (plain decode, split
+    and single); rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
     group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4),
-                    "packed": (4, 1)}.get(case, (4, 2))
+                    "packed": (4, 1), "packed_single": (4, 1)}.get(case, (4, 2))
     seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
@@ -144,12 +144,13 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     out = torch.full_like(q, float("nan"))
     sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
     plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)),
-                              heads_per_block=2 if case == "packed" else None)
-    if case == "single":
-        plan = ops.AttentionPlan(1, 0)
+                              heads_per_block=2 if case.startswith("packed") else None)
+    if case in ("single", "packed_single"):
+        plan = ops.AttentionPlan(1, 0, plan.heads_per_block)
     if case == "many_splits":
         plan = ops.AttentionPlan(301, 3 * hkv * 301 * q_len * group * (d + 2) * 4)
-    assert (plan.num_splits > 1) == (case != "single")  # partial rows are rotated back too
+    assert (plan.num_splits > 1) == (case not in ("single", "packed_single"))  # partial rows are rotated back too
+    assert (plan.heads_per_block > 1) == case.startswith("packed")
     ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
                         max_query_len=max(q_lens), plan=plan, sinks=sinks)
     h = fmt.hadamard(d, DEV, torch.float64) if hadamard else torch.eye(d, dtype=torch.float64, device=DEV)

@@ -14,6 +14,9 @@ cudaError_t launch_write_kv(const WriteKVParams&, cudaStream_t) { std::abort(); 
 cudaError_t launch_gather_kv(const GatherKVParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_decode(const DecodeParams&, cudaStream_t) { std::abort(); }
 int decode_max_rows(int head_dim) { return head_dim == 256 ? 32 : 64; }
+bool decode_heads_per_block_ok(int log2, int max_rows, int group) {
+  return log2 == 0 || (log2 <= 2 && max_rows == group && (max_rows << log2) <= 8);
+}
 }  // namespace nvfp4
 
 static int checks = 0;
@@ -55,12 +58,17 @@ int main() {
   ok &= expect_error([&] {
     at::Tensor out = cpu.clone(), ws = bytes.view(-1);
     paged_attention(out, cpu, bytes, bytes, bytes, bytes, ints.view({1, 2}), ints, ints, scalar, scalar, 0.1, 0, 0.0,
-                    std::nullopt, 1, 1, ws, "none");
+                    std::nullopt, 1, 1, ws, "none", 1);
   }, "q must be a CUDA tensor, got cpu");
   ok &= expect_error([&] {
     at::Tensor b = bytes.clone();
     write_kv(cpu, cpu, ints.to(at::kLong), b, b, b, b, scalar, scalar, "6", "none");
   }, "key must be a CUDA tensor, got cpu");
+  ok &= expect_error([&] {
+    CHECK_ARG(nvfp4::decode_heads_per_block_ok(1, 8, 4), "heads_per_block ", int64_t(2),
+              " needs max_query_len 1 and heads_per_block * group_size <= 8, got ", "max_query_len ", int64_t(2),
+              " and group_size ", 4);
+  }, "heads_per_block 2 needs max_query_len 1 and heads_per_block * group_size <= 8, got max_query_len 2 and group_size 4");
   ok &= expect_error([&] { query_type(scalar, "q"); }, "q must be float16 or bfloat16, got Float");
   ok &= expect_error([&] { log2_exact(24, "page_size"); }, "page_size must be a power of two, got 24");
   if (!ok) return 1;
