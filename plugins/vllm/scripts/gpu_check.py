@@ -10,6 +10,7 @@ CUDA kernels:
   * decode via ``ops.paged_attention`` with a plan for ``max_model_len`` and a preallocated
     workspace, captured in a CUDA graph and replayed after the sequences grew (what a FULL graph
     does in vLLM), compared with the reference;
+  * a decode batch of 128 requests, for which the planner puts two kv heads in one thread block;
   * a mixed step's prefill rows (dense path) compared with the reference.
 
     python plugins/vllm/scripts/gpu_check.py     # exits non-zero on any mismatch
@@ -120,6 +121,20 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
         graph.replay()
     torch.cuda.synchronize()
     print(f"  decode replay {1e6 * (time.perf_counter() - t0) / 20:.1f} us/step (one layer)")
+
+    # a decode batch large enough that the planner packs kv heads into thread blocks: 128 requests
+    # over the same pages (each block then streams two kv heads of vLLM's inline pages)
+    many = 128
+    pick = torch.arange(many) % batch
+    m_bt, m_seq, m_qsl = block_table[pick], seq_lens[pick], torch.arange(many + 1, dtype=torch.int32)
+    m_plan = ops.plan_attention(many, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
+                                ops.num_sms(DEV))
+    mq = torch.randn(many, NUM_HEADS, HEAD, generator=gen).bfloat16()
+    m_out = ops.paged_attention(mq.to(DEV), cache, m_bt.to(DEV), m_seq.to(DEV), m_qsl.to(DEV), k_scale, v_scale,
+                                HEAD ** -0.5, max_query_len=1, plan=m_plan, workspace=m_plan.allocate_workspace(DEV))
+    want = reference.paged_attention_ref(mq, cpu, m_bt, m_seq, m_qsl, k_scale.cpu(), v_scale.cpu(), HEAD ** -0.5)
+    ok &= check(f"decode {many} requests ({m_plan.heads_per_block} kv heads per block)", m_out, want)
+    ok &= m_plan.heads_per_block == 2
 
     # prefill rows of a mixed step: 2 requests with 100 and 37 new tokens (dense path)
     p_q_lens, p_ctx = [100, 37], [50, 0]
