@@ -210,6 +210,8 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
     """
     from . import jit
+    if not (isinstance(num_sms, int) and num_sms > 0):
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     if heads_per_block is not None and not heads_per_block_allowed(group_size, max_query_len, heads_per_block):
         raise ValueError(f"heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
                          f"group_size <= 8; got {heads_per_block} (max_query_len {max_query_len}, group_size "

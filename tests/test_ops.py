@@ -208,6 +208,12 @@ def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads
         assert hb == 1  # one wave already: packing would only make the blocks longer
 
 
+@pytest.mark.parametrize("num_sms", [0, -1, 1.5])
+def test_plan_attention_rejects_a_bad_sm_count(num_sms):
+    with pytest.raises(ValueError, match=f"num_sms must be a positive int, got {num_sms!r}"):
+        ops.plan_attention(256, 8, 4, 1, 512, 128, num_sms=num_sms)
+
+
 @pytest.mark.parametrize("group, q_len, heads_per_block", [(4, 1, 4), (2, 2, 2), (1, 1, 3), (8, 1, 2), (4, 1, 0)])
 def test_plan_attention_rejects_heads_per_block_that_do_not_fit(group, q_len, heads_per_block):
     """Several kv heads per block only for plain decode whose packed rows fit one row tile (8)."""
