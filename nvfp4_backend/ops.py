@@ -200,6 +200,12 @@ def heads_per_block_allowed(group_size: int, max_query_len: int, heads_per_block
                                      and heads_per_block * group_size <= 8)
 
 
+def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads_per_block: int) -> None:
+    if not heads_per_block_allowed(group_size, max_query_len, heads_per_block):
+        raise ValueError(f"{name} must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x group_size <= 8; "
+                         f"got {heads_per_block} (max_query_len {max_query_len}, group_size {group_size})")
+
+
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
                    heads_per_block: int | None = None) -> AttentionPlan:
@@ -212,10 +218,8 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     from . import jit
     if not (isinstance(num_sms, int) and num_sms > 0):
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
-    if heads_per_block is not None and not heads_per_block_allowed(group_size, max_query_len, heads_per_block):
-        raise ValueError(f"heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
-                         f"group_size <= 8; got {heads_per_block} (max_query_len {max_query_len}, group_size "
-                         f"{group_size})")
+    if heads_per_block is not None:
+        _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block)
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
@@ -294,12 +298,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                               max_seq_len, cache.head_dim, num_sms(dev))
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
-    # (no query rows at all: nothing runs, whatever the plan)
-    if max_query_len > 0 and not heads_per_block_allowed(q.shape[1] // cache.num_kv_heads, max_query_len,
-                                                         plan.heads_per_block):
-        raise ValueError(f"plan.heads_per_block must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x "
-                         f"group_size <= 8; got {plan.heads_per_block} (max_query_len {max_query_len}, group_size "
-                         f"{q.shape[1] // cache.num_kv_heads})")
+    if max_query_len > 0:  # no query rows at all: nothing runs, whatever the plan
+        _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, max_query_len,
+                               plan.heads_per_block)
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.device != dev:
