@@ -1,8 +1,10 @@
 // The binding's error messages on the host, without a GPU: csrc/binding.cpp is included whole (its
-// checks live in an anonymous namespace), the launchers are stubs that must not be reached, and the
-// CUDA headers it needs from torch come from c10_cuda_stub/.  Prints "ok: N checks" or the first
-// mismatch (exit 1).  Built and run by tests/test_build.py.
+// checks live in an anonymous namespace), and so is the decode dispatch (csrc/paged_decode.cu, plain
+// host C++: its row and heads-per-block limits); the kernel launchers are stubs that must not be
+// reached, and the CUDA headers binding.cpp needs from torch come from c10_cuda_stub/.  Prints
+// "ok: N checks" or the first mismatch (exit 1).  Built and run by tests/test_build.py.
 #include "../../csrc/binding.cpp"
+#include "../../csrc/paged_decode.cu"
 
 #include <ATen/ATen.h>
 #include <cstdio>
@@ -12,12 +14,12 @@
 namespace nvfp4 {
 cudaError_t launch_write_kv(const WriteKVParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_gather_kv(const GatherKVParams&, cudaStream_t) { std::abort(); }
-cudaError_t launch_paged_decode(const DecodeParams&, cudaStream_t) { std::abort(); }
-int decode_max_rows(int head_dim) { return head_dim == 256 ? 32 : 64; }
-bool decode_heads_per_block_ok(int log2, int max_rows, int group) {
-  return log2 == 0 || (log2 <= 2 && max_rows == group && (max_rows << log2) <= 8);
-}
+cudaError_t launch_paged_decode_hd64(const DecodeParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_decode_hd128(const DecodeParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_decode_hd256(const DecodeParams&, cudaStream_t) { std::abort(); }
 }  // namespace nvfp4
+// the binding formats a failed launch's error; no launch happens here, and the CUDA runtime is not linked
+extern "C" const char* cudaGetErrorString(cudaError_t) { std::abort(); }
 
 static int checks = 0;
 
