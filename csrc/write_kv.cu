@@ -49,10 +49,12 @@ struct BlockChoice {
 };
 
 // inv_scale: 1/scale per E4M3 byte (0 for a zero scale), the block's table
-__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, float target,
-                                                    const float* inv_scale) {
+// kTarget 6 (the standard rule) or 4 (the 6-or-4 rule's alternative: amax / 4 is exact as a product)
+template <int kTarget>
+__device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, const float* inv_scale) {
+  static_assert(kTarget == 6 || kTarget == 4, "scale targets");
   BlockChoice c;
-  const __nv_fp8_e4m3 sf(__fdiv_rn(amax, target));  // RNE, satfinite at 448 (Inf too)
+  const __nv_fp8_e4m3 sf(kTarget == 6 ? max_over_6(amax) : __fmul_rn(amax, 0.25f));  // RNE, satfinite at 448 (Inf too)
   c.sf_byte = sf.__x;
   c.sf_value = float(sf);
   const float inv = inv_scale[c.sf_byte];
@@ -77,20 +79,22 @@ __device__ __forceinline__ float block_sq_error(const float (&scaled)[kBlock], c
 
 // What a thread loads for one 16-element block: the token's slot and the block's source bytes.
 // Every in-range token has a source row, skipped ones too, so the data load need not wait for the
-// slot (one memory latency instead of two).
+// slot (one memory latency instead of two).  Past the last token the slot is -1 and the bytes are
+// left unset: nothing stores them (with rotation the lanes still compute on them, and drop the result).
 struct Fetched {
   int64_t slot;
   uint4 raw[2];
 };
 
+// block_src: the block's first element in the token's row
 template <typename T>
-__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const T* column_src, uint32_t token) {
-  Fetched f{-1, {}};
+__device__ __forceinline__ Fetched fetch(const WriteKVParams& p, const T* block_src, uint32_t token) {
+  Fetched f;
+  f.slot = -1;
   if (token < static_cast<uint32_t>(p.num_tokens)) {
     f.slot = p.slot_mapping[token];
-    const uint4* src = reinterpret_cast<const uint4*>(column_src + int64_t(token) * p.kv_stride_token);
-    f.raw[0] = __ldg(src);
-    f.raw[1] = __ldg(src + 1);
+    f.raw[0] = __ldg(reinterpret_cast<const uint4*>(block_src));
+    f.raw[1] = __ldg(reinterpret_cast<const uint4*>(block_src) + 1);
   }
   return f;
 }
@@ -101,6 +105,7 @@ struct Column {
   uint8_t* data;    // the block's bytes in page 0, slot 0
   uint8_t* scales;  // its scale byte there
   int block, blocks_per_head;
+  int page_shift;   // log2(page_size), or -1 when the page size is not a power of two
 };
 
 // Quantize one fetched block into the cache (or drop it: skipped slot).  With rotation every lane
@@ -114,8 +119,9 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Col
   // skipped token-head's lanes rotate their row too, and drop the result)
   const bool active = slot >= 0 && slot < p.num_slots;
   if (!active && !kRotate) return;
-  const uint32_t page = active ? quotient(static_cast<uint32_t>(slot), static_cast<uint32_t>(p.page_size)) : 0u;
-  const uint32_t in_page = active ? static_cast<uint32_t>(slot) - page * static_cast<uint32_t>(p.page_size) : 0u;
+  const uint32_t page_size = static_cast<uint32_t>(p.page_size), slot32 = static_cast<uint32_t>(slot);
+  const uint32_t page = !active ? 0u : col.page_shift >= 0 ? slot32 >> col.page_shift : slot32 / page_size;
+  const uint32_t in_page = active ? slot32 - page * page_size : 0u;
 
   float vals[kBlock];
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(f.raw);
@@ -150,28 +156,37 @@ __device__ __forceinline__ void quantize_block(const WriteKVParams& p, const Col
   }
 
   float scaled[kBlock];
-  float amax = 0.0f;  // NaN if any scaled value is NaN
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    scaled[i] = __fmul_rn(vals[i], enc);
-    amax = max_nan(amax, fabsf(scaled[i]));
-  }
+  for (int i = 0; i < kBlock; ++i) scaled[i] = __fmul_rn(vals[i], enc);
+  // NaN if any scaled value is NaN; a tree, 4 dependent steps instead of a chain of 16
+  float tree[kBlock / 2];
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) tree[i] = max_nan(fabsf(scaled[2 * i]), fabsf(scaled[2 * i + 1]));
+#pragma unroll
+  for (int width = kBlock / 4; width >= 1; width /= 2)
+#pragma unroll
+    for (int i = 0; i < width; ++i) tree[i] = max_nan(tree[i], tree[i + width]);
+  const float amax = tree[0];
   const bool has_nan = isnan(amax);
   BlockChoice choice;
   if (has_nan) {
     choice.sf_byte = 0x7F;  // E4M3 NaN: the block reads back as NaN
     choice.packed[0] = choice.packed[1] = 0u;
   } else {
-    choice = encode_block(scaled, amax, 6.0f, inv_scale);
+    choice = encode_block<6>(scaled, amax, inv_scale);
     if constexpr (kSixOrFour) {
       // the maximum-of-4 scale wins only when strictly better: a tie keeps the standard scale
-      const BlockChoice four = encode_block(scaled, amax, 4.0f, inv_scale);
+      const BlockChoice four = encode_block<4>(scaled, amax, inv_scale);
       if (block_sq_error(scaled, four) < block_sq_error(scaled, choice)) choice = four;
     }
   }
-  *reinterpret_cast<uint2*>(col.data + int64_t(page) * p.data_strides.page + int64_t(in_page) * p.data_strides.token) =
-      make_uint2(choice.packed[0], choice.packed[1]);
-  col.scales[int64_t(page) * p.scale_strides.page + int64_t(in_page) * p.scale_strides.token] = choice.sf_byte;
+  // page strides are below 2^32 bytes and a page's tokens span fewer than 2^31 (the binding checks):
+  // one 32 x 32 -> 64-bit multiply-add per address
+  const auto offset = [&](const PageStrides& s) {
+    return uint64_t(page) * static_cast<uint32_t>(s.page) + in_page * static_cast<uint32_t>(s.token);
+  };
+  *reinterpret_cast<uint2*>(col.data + offset(p.data_strides)) = make_uint2(choice.packed[0], choice.packed[1]);
+  col.scales[offset(p.scale_strides)] = choice.sf_byte;
 }
 
 // A grid of resident blocks strides over the flat index (token, side, head, block): neighbouring
@@ -195,9 +210,13 @@ __global__ void __launch_bounds__(kThreads, kSixOrFour ? 3 : 4) write_kv_kernel(
   Column col;
   col.block = static_cast<int>(first & ((1u << block_bits) - 1));
   col.blocks_per_head = 1 << block_bits;
+  col.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? 31 - __clz(p.page_size) : -1;
   col.data = (side ? p.v_data : p.k_data) + head * p.data_strides.head + col.block * (kBlock / 2);
   col.scales = (side ? p.v_block_scales : p.k_block_scales) + head * p.scale_strides.head + col.block;
-  const T* src = static_cast<const T*>(side ? p.value : p.key) + head * p.kv_stride_head + col.block * kBlock;
+  // the block in the thread's current token's row; it steps token_step rows at a time
+  const T* src = static_cast<const T*>(side ? p.value : p.key) + head * p.kv_stride_head + col.block * kBlock +
+                 int64_t(token) * p.kv_stride_token;
+  const int64_t src_step = int64_t(token_step) * p.kv_stride_token;
   Fetched next = fetch<T>(p, src, token);
   // 1/scale for every E4M3 byte and 1/global scale for K and V (the same __fdiv_rn, so the same
   // bits), built while the first loads are in flight
@@ -214,9 +233,11 @@ __global__ void __launch_bounds__(kThreads, kSixOrFour ? 3 : 4) write_kv_kernel(
   __syncthreads();
   const float enc = encode_scale[side];
   // the loop condition is the same for a whole warp (the rotation's shuffles need every lane)
-  for (uint32_t warp_first = first & ~31u; warp_first < total; warp_first += stride, token += token_step) {
+  for (uint32_t warp_first = first & ~31u; warp_first < total; warp_first += stride) {
     const Fetched current = next;
-    next = fetch<T>(p, src, token + token_step);
+    token += token_step;
+    src += src_step;
+    next = fetch<T>(p, src, token);
     quantize_block<T, kRotate, kSixOrFour>(p, col, current, inv_scale, enc);
   }
 }

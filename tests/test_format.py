@@ -499,7 +499,9 @@ def test_e2m1_fast_rounding_matches_the_definition_on_every_float(tmp_path):
     """csrc/e2m1.h: the CUDA writer's bit-trick rounding onto E2M1 codes equals the threshold
     definition (format.py's rounding) for every non-NaN float of both signs, 4.28e9 of them, and its
     8-codes-per-word packing (e2m1_pack8) equals the codes one by one on 4e6 words of thresholds,
-    zeros, infinities and random floats; run on the host from the same source the kernel includes."""
+    zeros, infinities and random floats, and its block maximum over 6 (max_over_6: a product and an FMA
+    correction) equals the division on every float in [0, 2^13]; run on the host from the same source
+    the kernel includes."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -513,3 +515,4 @@ def test_e2m1_fast_rounding_matches_the_definition_on_every_float(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.startswith("ok: 4278190082 floats"), res.stdout + res.stderr
     assert "ok: 4000000 packed words" in res.stdout, res.stdout
+    assert "ok: 1174405121 quotients" in res.stdout, res.stdout

@@ -1,6 +1,7 @@
 // Every non-NaN float, both signs: the writer's e2m1_code == the threshold definition.  Then
 // e2m1_pack8 (the writer's 8-codes-per-word packing) == e2m1_code of each value, on 8-vectors mixing
-// the rounding thresholds and their neighbours, zeros, infinities and random floats.
+// the rounding thresholds and their neighbours, zeros, infinities and random floats.  Then the writer's
+// block maximum over 6 (max_over_6) against the division.
 // Built and run by tests/test_format.py::test_e2m1_fast_rounding_matches_the_definition_on_every_float.
 #include <cstdio>
 #include <initializer_list>
@@ -64,5 +65,26 @@ int main() {
     ++words;
   }
   std::printf("ok: %llu packed words\n", static_cast<unsigned long long>(words));
+
+  // the writer's amax / 6 (max_over_6) against the host's division, on every float in [0, 2^13]: equal
+  // wherever the quotient is normal; below 2^-126 both are far under E4M3's smallest step (2^-9).
+  // Above 2^13 both quotients exceed 464 and saturate to 448.
+  uint64_t quotients = 0;
+  for (uint32_t u = 0; u <= 0x46000000u; ++u) {  // +0 .. 2^13
+    const float a = nvfp4::bit_cast<float>(u), got = nvfp4::max_over_6(a), want = a / 6.0f;
+    const bool same = nvfp4::bit_cast<uint32_t>(got) == nvfp4::bit_cast<uint32_t>(want) ||
+                      (want < 0x1p-126f && got < 0x1p-126f && got >= 0.0f);
+    if (!same) {
+      std::printf("QUOTIENT MISMATCH a=%a got=%a want=%a\n", a, got, want);
+      return 1;
+    }
+    ++quotients;
+  }
+  for (float a : {8192.5f, 1e30f, 1.0f / 0.0f})
+    if (!(nvfp4::max_over_6(a) > 464.0f && a / 6.0f > 464.0f)) {
+      std::printf("QUOTIENT MISMATCH a=%a: not saturating\n", a);
+      return 1;
+    }
+  std::printf("ok: %llu quotients\n", static_cast<unsigned long long>(quotients));
   return 0;
 }
