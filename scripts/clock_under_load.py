@@ -1,0 +1,115 @@
+"""The SM clock and power while a kernel runs for seconds, sampled by nvidia-smi every 50 ms.
+
+Per-SM rates measured in the tuning notes (tiles per microsecond) assume a clock; if the card
+lowers it under a load (power, temperature), instruction counts and occupancy read differently.
+This runs, one after another, each for --seconds: our 64 x 8192 decode (D 128, group 4, page 16),
+the writer (16K tokens), FlashInfer's BF16 decode on the same shape when it is importable, and a
+device-to-device copy; each as CUDA-graph replays back to back.  Prints per load the median and
+range of the sampled SM clock and power draw, and nvidia-smi's active clock-event reasons.
+
+    python3 scripts/clock_under_load.py [--seconds 4] [--out clocks.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nvfp4_backend import bench, ops  # noqa: E402
+from nvfp4_backend.layout import PagedKVCache  # noqa: E402
+
+FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+def run_for(fn, seconds: float) -> list[dict]:
+    """Replay fn (captured 20 times in one graph) for `seconds` while nvidia-smi samples."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    end = time.time() + seconds
+    replays = 0
+    while time.time() < end:
+        for _ in range(10):
+            graph.replay()
+        replays += 10
+        torch.cuda.synchronize()
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = []
+    for line in lines[len(lines) // 5:]:  # the first fifth: the clock still ramping
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            samples.append(dict(sm_mhz=float(parts[0]), watts=float(parts[1]), temp_c=float(parts[2]), reasons=parts[3]))
+        except (ValueError, IndexError):
+            continue
+    return samples
+
+
+def summary(name: str, samples: list[dict]) -> dict:
+    mhz = [s["sm_mhz"] for s in samples]
+    watts = [s["watts"] for s in samples]
+    reasons = sorted({s["reasons"] for s in samples})
+    row = dict(load=name, samples=len(samples), sm_mhz_median=statistics.median(mhz), sm_mhz_min=min(mhz),
+               sm_mhz_max=max(mhz), watts_median=statistics.median(watts), watts_max=max(watts), reasons=reasons)
+    print(f"{name:28s} SM {row['sm_mhz_median']:.0f} MHz ({row['sm_mhz_min']:.0f}-{row['sm_mhz_max']:.0f}), "
+          f"{row['watts_median']:.0f} W (max {row['watts_max']:.0f}), reasons {','.join(reasons)}", flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--out", default="clocks.json")
+    args = ap.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    shape = argparse.Namespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
+    rows = []
+
+    batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
+    q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device)
+    call, *_ = batch.attention(q, 1)
+    rows.append(summary("nvfp4 decode 64x8192", run_for(call, args.seconds)))
+
+    fi = bench._flashinfer()
+    if fi is not None:
+        ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
+        kc, vc, dt, kw, _ = bench.flashinfer_kv("bf16", batch.cache, "HND", batch.kg, batch.vg, device)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
+        w.plan(*batch.flashinfer_paging(), 32, 8, 128, 16, q_data_type=torch.bfloat16, kv_data_type=dt)
+        out = torch.empty_like(q)
+        rows.append(summary("flashinfer bf16 64x8192", run_for(lambda: w.run(q, (kc, vc), out=out, **kw), args.seconds)))
+        del kc, vc, ws
+    del batch
+    torch.cuda.empty_cache()
+
+    tokens = 16384
+    cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", device)
+    k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=device)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device=device) + 16
+    kg = torch.tensor(0.01, device=device)
+    rows.append(summary("nvfp4 write_kv 16K tokens", run_for(lambda: ops.write_kv(k, v, slots, cache, kg, kg), args.seconds)))
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    rows.append(summary("copy 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
