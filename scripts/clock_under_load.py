@@ -2,9 +2,10 @@
 
 Per-SM rates measured in the tuning notes (tiles per microsecond) assume a clock; if the card
 lowers it under a load (power, temperature), instruction counts and occupancy read differently.
-This runs, one after another, each for --seconds: our 64 x 8192 decode (D 128, group 4, page 16),
-the writer (16K tokens), FlashInfer's BF16 decode on the same shape when it is importable, and a
-device-to-device copy; each as CUDA-graph replays back to back.  Prints per load the median and
+This runs, one after another, each for --seconds: our decode (D 128, group 4, page 16) at
+1 x 131072, 128 x 512 and 64 x 8192 (also with 4 query tokens), FlashInfer's BF16 decode at 64 x 8192
+when it is importable, the writer (16K tokens) and a device-to-device copy; each as CUDA-graph
+replays back to back.  Prints per load the median and
 range of the sampled SM clock and power draw, and nvidia-smi's active clock-event reasons.
 
     python3 scripts/clock_under_load.py [--seconds 4] [--out clocks.json]
@@ -79,7 +80,14 @@ def main() -> int:
     shape = argparse.Namespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
     rows = []
 
+    for B, L in ((1, 131072), (128, 512)):
+        other = bench.uniform_batch(B, L, 16, shape, device, gen)
+        call, *_ = other.attention(torch.randn(B, 32, 128, dtype=torch.bfloat16, device=device), 1)
+        rows.append(summary(f"nvfp4 decode {B}x{L}", run_for(call, args.seconds)))
+        del other, call
     batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
+    call, *_ = batch.attention(torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device), 4)
+    rows.append(summary("nvfp4 decode 64x8192 q_len 4", run_for(call, args.seconds)))
     q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device)
     call, *_ = batch.attention(q, 1)
     rows.append(summary("nvfp4 decode 64x8192", run_for(call, args.seconds)))
