@@ -332,19 +332,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int pos = load_pos + (tile << tile_shift);
     return (tile < num_tiles && pos < load_end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
-  // the thread's fixed part of each copy: its kv head, its half of a token's K and V data, and the
-  // K (half 0) or V (half 1) block scales.  Page strides and offsets within a page fit 32 bits (the
-  // binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
-  constexpr int kHalf = C::kDataBytes / 2;
-  const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + load_half * kHalf);
-  const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + load_half * kHalf);
+  // the thread's fixed part of each copy: its kv head, its 16 bytes of each 32-byte sector of a token's
+  // K and V data, and the K (half 0) or V (half 1) block scales.  The token's two threads copy a
+  // sector's two halves in one instruction: with each thread copying a contiguous half of the token
+  // instead, every sector was requested from L2 twice, by two instructions.  Page strides and offsets
+  // within a page fit 32 bits (the binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
+  const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + load_half * 16);
+  const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + load_half * 16);
   const uint8_t* scale_src =
       opaque((load_half ? p.v_block_scales : p.k_block_scales) + load_kv_head * p.scale_strides.head);
   const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
   const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
   const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
   const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
-  const uint32_t data_dst = opaque(smem_addr(smem) + C::data_offset(load_token) + load_half * kHalf);
+  const uint32_t data_dst = opaque(smem_addr(smem) + C::data_offset(load_token) + load_half * 16);
   const uint32_t scale_dst =
       opaque(smem_addr(smem) + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes);
   // tiles past the last one, up to a whole step, are copied as zeros (their pages are -1): the step reads them
@@ -358,7 +359,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
       const uint32_t stage = (tile % kStages) * C::kStageBytes;
 #pragma unroll
-      for (int b = 0; b < kHalf; b += 16) {
+      for (int b = 0; b < C::kDataBytes; b += 32) {
         cp_async<16>(data_dst + stage + b, k_src + off + b, valid);
         cp_async<16>(data_dst + stage + C::kDataStage + b, v_src + off + b, valid);
       }
