@@ -62,7 +62,7 @@ void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
     CHECK_ARG(k_sf.stride(d) % scale_bytes == 0, "block-scale strides must be multiples of ", scale_bytes,
                 " bytes, got ", k_sf.strides());
   }
-  // the decode kernel computes offsets within a page, and page strides, in 32 bits
+  // the decode kernel and the writer compute offsets within a page, and page strides, in 32 bits
   CHECK_ARG(k_data.size(1) * k_data.stride(1) < (int64_t(1) << 31) && k_sf.size(1) * k_sf.stride(1) < (int64_t(1) << 31),
               "a cache page's tokens must span fewer than 2^31 bytes, got page_size ", k_data.size(1),
               " with token strides ", k_data.stride(1), " (data) and ", k_sf.stride(1), " (block scales)");

@@ -199,7 +199,7 @@ struct Config {
   static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
   static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
-  static_assert((kDataBytes / 2) % 16 == 0 || kDataBytes == 32, "loader");
+  static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
 };
 
 // Token within a 16-token MMA tile held at MMA row m: rows (2c, 2c+1, 2c+8, 2c+9) are the

@@ -49,7 +49,8 @@ struct BlockChoice {
 };
 
 // inv_scale: 1/scale per E4M3 byte (0 for a zero scale), the block's table
-// kTarget 6 (the standard rule) or 4 (the 6-or-4 rule's alternative: amax / 4 is exact as a product)
+// kTarget 6 (the standard rule) or 4 (the 6-or-4 rule's alternative: amax * 0.25 rounds as amax / 4 does,
+// a power of two)
 template <int kTarget>
 __device__ __forceinline__ BlockChoice encode_block(const float (&scaled)[kBlock], float amax, const float* inv_scale) {
   static_assert(kTarget == 6 || kTarget == 4, "scale targets");
