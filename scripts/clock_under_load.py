@@ -6,9 +6,10 @@ This runs, one after another, each for --seconds: our decode (D 128, group 4, pa
 1 x 131072, 128 x 512 and 64 x 8192 (also with 4 query tokens), FlashInfer's BF16 decode at 64 x 8192
 when it is importable, the writer (16K tokens) and a device-to-device copy; each as CUDA-graph
 replays back to back.  Prints per load the median and
-range of the sampled SM clock and power draw, and nvidia-smi's active clock-event reasons.
+range of the sampled SM clock and power draw, nvidia-smi's active clock-event reasons, and the time
+per call over the whole run (replays back to back, L2 warm: not the benchmark's timing).
 
-    python3 scripts/clock_under_load.py [--seconds 4] [--out clocks.json]
+    python3 scripts/clock_under_load.py [--seconds 4] [--loads decode-64x8192,copy] [--out clocks.json]
 """
 from __future__ import annotations
 
@@ -29,8 +30,13 @@ from nvfp4_backend.layout import PagedKVCache  # noqa: E402
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
-def run_for(fn, seconds: float) -> list[dict]:
-    """Replay fn (captured 20 times in one graph) for `seconds` while nvidia-smi samples."""
+LOADS = ("decode-1x131072", "decode-128x512", "decode-64x8192-q4", "decode-64x8192", "flashinfer-bf16", "write",
+         "copy")
+
+
+def run_for(fn, seconds: float) -> tuple[list[dict], float]:
+    """Replay fn (captured 20 times in one graph) for `seconds` while nvidia-smi samples: the
+    samples, and the microseconds per call."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -39,13 +45,15 @@ def run_for(fn, seconds: float) -> list[dict]:
             fn()
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
-    end = time.time() + seconds
+    start = time.time()
+    end = start + seconds
     replays = 0
     while time.time() < end:
         for _ in range(10):
             graph.replay()
         replays += 10
         torch.cuda.synchronize()
+    us_per_call = (time.time() - start) / (replays * 20) * 1e6
     smi.terminate()
     lines = smi.communicate()[0].strip().splitlines()
     samples = []
@@ -55,16 +63,18 @@ def run_for(fn, seconds: float) -> list[dict]:
             samples.append(dict(sm_mhz=float(parts[0]), watts=float(parts[1]), temp_c=float(parts[2]), reasons=parts[3]))
         except (ValueError, IndexError):
             continue
-    return samples
+    return samples, us_per_call
 
 
-def summary(name: str, samples: list[dict]) -> dict:
+def summary(name: str, run: tuple[list[dict], float]) -> dict:
+    samples, us_per_call = run
     mhz = [s["sm_mhz"] for s in samples]
     watts = [s["watts"] for s in samples]
     reasons = sorted({s["reasons"] for s in samples})
     row = dict(load=name, samples=len(samples), sm_mhz_median=statistics.median(mhz), sm_mhz_min=min(mhz),
-               sm_mhz_max=max(mhz), watts_median=statistics.median(watts), watts_max=max(watts), reasons=reasons)
-    print(f"{name:28s} SM {row['sm_mhz_median']:.0f} MHz ({row['sm_mhz_min']:.0f}-{row['sm_mhz_max']:.0f}), "
+               sm_mhz_max=max(mhz), watts_median=statistics.median(watts), watts_max=max(watts), reasons=reasons,
+               us_per_call=us_per_call)
+    print(f"{name:28s} {us_per_call:7.1f} us/call, SM {row['sm_mhz_median']:.0f} MHz ({row['sm_mhz_min']:.0f}-{row['sm_mhz_max']:.0f}), "
           f"{row['watts_median']:.0f} W (max {row['watts_max']:.0f}), reasons {','.join(reasons)}", flush=True)
     return row
 
@@ -72,8 +82,13 @@ def summary(name: str, samples: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--loads", default=",".join(LOADS), help=f"comma list of {', '.join(LOADS)}")
     ap.add_argument("--out", default="clocks.json")
     args = ap.parse_args()
+    loads = args.loads.split(",")
+    unknown = sorted(set(loads) - set(LOADS))
+    if unknown:
+        ap.error(f"--loads: unknown {unknown}; choose from {', '.join(LOADS)}")
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
@@ -81,42 +96,56 @@ def main() -> int:
     rows = []
 
     for B, L in ((1, 131072), (128, 512)):
+        if f"decode-{B}x{L}" not in loads:
+            continue
         other = bench.uniform_batch(B, L, 16, shape, device, gen)
         call, *_ = other.attention(torch.randn(B, 32, 128, dtype=torch.bfloat16, device=device), 1)
         rows.append(summary(f"nvfp4 decode {B}x{L}", run_for(call, args.seconds)))
         del other, call
-    batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
-    call, *_ = batch.attention(torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device), 4)
-    rows.append(summary("nvfp4 decode 64x8192 q_len 4", run_for(call, args.seconds)))
-    q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device)
-    call, *_ = batch.attention(q, 1)
-    rows.append(summary("nvfp4 decode 64x8192", run_for(call, args.seconds)))
+    if {"decode-64x8192-q4", "decode-64x8192", "flashinfer-bf16"} & set(loads):
+        at_64x8192(loads, shape, device, gen, args.seconds, rows)
+    if "write" in loads:
+        write_kv(device, args.seconds, rows)
+    if "copy" in loads:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        rows.append(summary("copy 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
+    return 0
 
-    fi = bench._flashinfer()
+
+def at_64x8192(loads, shape, device, gen, seconds: float, rows: list) -> None:
+    """Our decode (q_len 4 and 1) and FlashInfer's BF16 decode on one 64 x 8192 cache."""
+    batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
+    if "decode-64x8192-q4" in loads:
+        call, *_ = batch.attention(torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device), 4)
+        rows.append(summary("nvfp4 decode 64x8192 q_len 4", run_for(call, seconds)))
+    q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device)
+    if "decode-64x8192" in loads:
+        call, *_ = batch.attention(q, 1)
+        rows.append(summary("nvfp4 decode 64x8192", run_for(call, seconds)))
+
+    fi = bench._flashinfer() if "flashinfer-bf16" in loads else None
     if fi is not None:
         ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
         kc, vc, dt, kw, _ = bench.flashinfer_kv("bf16", batch.cache, "HND", batch.kg, batch.vg, device)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=True)
         w.plan(*batch.flashinfer_paging(), 32, 8, 128, 16, q_data_type=torch.bfloat16, kv_data_type=dt)
         out = torch.empty_like(q)
-        rows.append(summary("flashinfer bf16 64x8192", run_for(lambda: w.run(q, (kc, vc), out=out, **kw), args.seconds)))
+        rows.append(summary("flashinfer bf16 64x8192", run_for(lambda: w.run(q, (kc, vc), out=out, **kw), seconds)))
         del kc, vc, ws
     del batch
     torch.cuda.empty_cache()
 
+
+def write_kv(device, seconds: float, rows: list) -> None:
     tokens = 16384
     cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", device)
     k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
     slots = torch.randperm(tokens, device=device) + 16
     kg = torch.tensor(0.01, device=device)
-    rows.append(summary("nvfp4 write_kv 16K tokens", run_for(lambda: ops.write_kv(k, v, slots, cache, kg, kg), args.seconds)))
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    rows.append(summary("copy 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
-    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
-    return 0
+    rows.append(summary("nvfp4 write_kv 16K tokens", run_for(lambda: ops.write_kv(k, v, slots, cache, kg, kg), seconds)))
 
 
 if __name__ == "__main__":
