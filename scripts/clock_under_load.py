@@ -4,8 +4,8 @@ Per-SM rates measured in the tuning notes (tiles per microsecond) assume a clock
 lowers it under a load (power, temperature), instruction counts and occupancy read differently.
 This runs, one after another, each for --seconds: our decode (D 128, group 4, page 16) at
 1 x 131072, 128 x 512 and 64 x 8192 (also with 4 query tokens), FlashInfer's BF16 decode at 64 x 8192
-when it is importable, the writer (16K tokens) and a device-to-device copy; each as CUDA-graph
-replays back to back.  Prints per load the median and
+when it is importable, the writer (16K tokens), a device-to-device copy and a read-only sum; each as
+CUDA-graph replays back to back.  Prints per load the median and
 range of the sampled SM clock and power draw, nvidia-smi's active clock-event reasons, and the time
 per call over the whole run (replays back to back, L2 warm: not the benchmark's timing).
 
@@ -31,7 +31,7 @@ FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
 LOADS = ("decode-1x131072", "decode-128x512", "decode-64x8192-q4", "decode-64x8192", "flashinfer-bf16", "write",
-         "copy")
+         "copy", "read")
 
 
 def run_for(fn, seconds: float) -> tuple[list[dict], float]:
@@ -110,6 +110,11 @@ def main() -> int:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         rows.append(summary("copy 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
+        del src, dst
+    if "read" in loads:  # read-only and in order: what a byte read costs without the decode's pattern
+        src = torch.ones(1 << 30, dtype=torch.int32, device=device)
+        total = torch.empty((), dtype=torch.int64, device=device)
+        rows.append(summary("read 4 GiB (sum)", run_for(lambda: torch.sum(src, out=total), args.seconds)))
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
     return 0
 

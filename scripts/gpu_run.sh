@@ -79,10 +79,16 @@ esac
 case $mode in
   ab)  # the tree against the revisions in ab/ (scripts/ab_export.sh; carry ["ab"]), each its own build,
        # AB_ROUNDS rounds of tree, revisions... (builds are kept between rounds), then the tree again:
-       # in one call the order alone moves a result 1-3 %, so alternate and compare rounds
+       # in one call the order alone moves a result 1-3 %, so alternate and compare rounds.
+       # AB_CLOCKS=<loads of scripts/clock_under_load.py>: also the clock, power and sustained time of
+       # each build (the decode runs at the card's power cap: a variant that draws less is faster there)
     abbench() { python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
                   --grid ${AB_GRID:-64x8192,256x2048,1x131072,128x512} ${AB_ARGS:---spec-q-len 4} --out "$OUT/ab_$1.json" 2>&1 \
-                  | grep "^B=\|^write_kv" | sed "s/^/[$1] /"; }
+                  | grep "^B=\|^write_kv" | sed "s/^/[$1] /"
+                [ -z "$AB_CLOCKS" ] || { mkdir -p scripts && cp "$REPO/scripts/clock_under_load.py" scripts/ 2>/dev/null
+                  python3 scripts/clock_under_load.py --seconds 3 --loads "$AB_CLOCKS" --out /dev/null 2>&1 \
+                  | grep "us/call" | sed "s/^/[$1] /"; }; }
+    REPO=$PWD
     cat ab/REFS
     for round in $(seq "${AB_ROUNDS:-1}"); do
       abbench "tree_r$round"
