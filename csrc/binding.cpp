@@ -54,6 +54,17 @@ void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
     CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
                 "cache tensors must be 4-D uint8 with a contiguous last dimension");
   }
+  // the kernels take the page count, page size, head count and head dim from k_data: a smaller scale
+  // or V tensor would be written or read past its end
+  CHECK_ARG(v_data.sizes() == k_data.sizes(), "v_data must have k_data's shape ", k_data.sizes(), ", got ",
+            v_data.sizes());
+  CHECK_ARG(k_sf.size(0) == k_data.size(0) && k_sf.size(1) == k_data.size(1) && k_sf.size(2) == k_data.size(2) &&
+                k_sf.size(3) * 8 == k_data.size(3),
+            "k_block_scales must be [pages, page_size, heads, head_dim / 16] = [", k_data.size(0), ", ",
+            k_data.size(1), ", ", k_data.size(2), ", ", k_data.size(3) / 8, "] for k_data ", k_data.sizes(), ", got ",
+            k_sf.sizes());
+  CHECK_ARG(v_sf.sizes() == k_sf.sizes(), "v_block_scales must have k_block_scales' shape ", k_sf.sizes(), ", got ",
+            v_sf.sizes());
   CHECK_ARG(k_data.strides() == v_data.strides(), "k_data and v_data must have identical strides");
   CHECK_ARG(k_sf.strides() == v_sf.strides(), "k_block_scales and v_block_scales must have identical strides");
   const int64_t scale_bytes = k_sf.size(3);

@@ -71,6 +71,17 @@ int main() {
               " needs max_query_len 1 and heads_per_block * group_size <= 8, got ", "max_query_len ", int64_t(2),
               " and group_size ", 4);
   }, "heads_per_block 2 needs max_query_len 1 and heads_per_block * group_size <= 8, got max_query_len 2 and group_size 4");
+  // cache tensors whose shapes disagree (a direct op call skips PagedKVCache.validate): the kernels would
+  // index the smaller one with k_data's page count, page size and heads
+  const at::Tensor scales = at::zeros({4, 16, 2, 4}, at::kByte);
+  const c10::Device host("cpu");
+  ok &= expect_error([&] { check_cache(bytes, scales, bytes.narrow(0, 0, 3), scales, host); },
+                     "v_data must have k_data's shape [4, 16, 2, 32], got [3, 16, 2, 32]");
+  ok &= expect_error([&] { check_cache(bytes, scales.narrow(1, 0, 8), bytes, scales.narrow(1, 0, 8), host); },
+                     "k_block_scales must be [pages, page_size, heads, head_dim / 16] = [4, 16, 2, 4] for k_data "
+                     "[4, 16, 2, 32], got [4, 8, 2, 4]");
+  ok &= expect_error([&] { check_cache(bytes, scales, bytes, scales.narrow(0, 0, 2), host); },
+                     "v_block_scales must have k_block_scales' shape [4, 16, 2, 4], got [2, 16, 2, 4]");
   ok &= expect_error([&] { query_type(scalar, "q"); }, "q must be float16 or bfloat16, got Float");
   ok &= expect_error([&] { log2_exact(24, "page_size"); }, "page_size must be a power of two, got 24");
   if (!ok) return 1;
