@@ -1,0 +1,177 @@
+"""What reading a byte costs, in time and energy, by access pattern and copy instruction.
+
+The decode's copies cost about 137 pJ per byte read at 64 x 8192 (results/h200-2026-11-30-4731996/),
+FlashInfer's BF16 decode the same, a device-to-device copy some 60-80 pJ per byte moved.  This reads
+1 GiB as 1 KB chunks (one warp per chunk per step, a page-head's K data at D 128 and page 16) in
+each of these ways, each replayed back to back for --seconds while nvidia-smi samples (the helpers of
+scripts/clock_under_load.py), and prints time, TB/s, SM clock, power and energy per byte above the
+idle draw, which it measures first:
+
+* ldg: 16-byte loads into registers, whole 128-byte lines per warp instruction, XOR-reduced;
+* cp.async-lines: 16-byte cp.async.cg into a 4-stage shared-memory ring per warp, read back and
+  reduced, whole lines per instruction;
+* cp.async-sectors: the same with the decode's pattern since 9124e57: the chunk as 16 rows of 64
+  bytes, a lane pair per row, each instruction whole sectors but every other one;
+* cp.async-halves: the decode's pattern before 9124e57: each lane pair takes half of two sectors
+  per instruction;
+
+each with the chunks in order and in a random permutation (pages in random order, as the benchmark
+and an engine's allocator give them).  A CUDA extension built inline (torch.utils.cpp_extension).
+
+    python3 scripts/read_energy.py [--seconds 3] [--out read_energy.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from clock_under_load import FIELDS, run_for  # noqa: E402
+
+CUDA_SRC = r"""
+#include <cstdint>
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+constexpr int kWarps = 4, kStages = 4;
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// mode 0: ldg, whole lines; 1: cp.async, whole lines; 2: cp.async, rows of 64 bytes by lane pairs,
+// whole sectors (the decode since 9124e57); 3: the same, half of two sectors each (the decode before).
+// A warp reads chunk order[i] (1 KB: 64 x 16 bytes) at step i, steps grid-stride over the chunks.
+template <int kMode>
+__global__ void __launch_bounds__(kWarps * 32) read_chunks(const uint4* data, const int* order, int chunks,
+                                                           uint32_t* sink) {
+  __shared__ uint4 ring[kWarps][kStages][64];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first = blockIdx.x * kWarps + warp, step = gridDim.x * kWarps;
+  uint32_t acc = 0;
+  if constexpr (kMode == 0) {
+    for (int i = first; i < chunks; i += 4 * step) {
+      uint4 v[8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {  // 8 loads in flight per thread before the first use
+        const int c = i + u * step;
+        const uint4* chunk = data + int64_t(order[c < chunks ? c : first]) * 64;
+        v[2 * u] = __ldcg(chunk + lane);
+        v[2 * u + 1] = __ldcg(chunk + 32 + lane);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+  } else {
+    // the 16-byte pieces lane l copies, first instruction and second: mode 1 pieces l and l + 32; modes
+    // 2 and 3 row l / 2 (pieces 4 (l / 2) .. + 3), half l % 2: mode 2 pieces 4 (l / 2) + l % 2 and + 2
+    // (a sector per instruction), mode 3 pieces 4 (l / 2) + 2 (l % 2) and + 1 (half of each sector)
+    const int p0 = kMode == 1 ? lane : kMode == 2 ? (lane / 2) * 4 + (lane % 2) : (lane / 2) * 4 + (lane % 2) * 2;
+    const int p1 = kMode == 1 ? lane + 32 : kMode == 2 ? p0 + 2 : p0 + 1;
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0]));
+    int issued = 0;
+    auto issue = [&](int i) {
+      if (i < chunks) {
+        const uint4* chunk = data + int64_t(order[i]) * 64;
+        const uint32_t stage = base + (issued % kStages) * 64 * 16;
+        cp_async16(stage + p0 * 16, chunk + p0);
+        cp_async16(stage + p1 * 16, chunk + p1);
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+      ++issued;
+    };
+    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step);
+    int consumed = 0;
+    for (int i = first; i < chunks; i += step) {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
+      __syncwarp();
+      const uint4 a = ring[warp][consumed % kStages][lane], b = ring[warp][consumed % kStages][lane + 32];
+      acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+      ++consumed;
+      __syncwarp();
+      issue(i + (kStages - 1) * step);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+  }
+  sink[blockIdx.x * kWarps * 32 + threadIdx.x] = acc;
+}
+
+void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink, int64_t mode, int64_t blocks) {
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int chunks = static_cast<int>(order.numel());
+  const auto* d = reinterpret_cast<const uint4*>(data.data_ptr());
+  auto* s = reinterpret_cast<uint32_t*>(sink.data_ptr());
+  const dim3 grid(static_cast<unsigned>(blocks)), threads(kWarps * 32);
+  if (mode == 0) read_chunks<0><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 1) read_chunks<1><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 2) read_chunks<2><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 3) read_chunks<3><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "read_chunks launch failed");
+}
+"""
+CPP_SRC = "void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink, int64_t mode, int64_t blocks);"
+MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3}
+
+
+def idle_watts(seconds: float) -> float:
+    """The median power draw with nothing running, sampled for `seconds`."""
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    time.sleep(seconds)
+    smi.terminate()
+    watts = []
+    for line in smi.communicate()[0].strip().splitlines():
+        try:
+            watts.append(float(line.split(",")[1]))
+        except (ValueError, IndexError):
+            continue
+    return statistics.median(watts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--blocks-per-sm", type=int, default=8)
+    ap.add_argument("--out", default="read_energy.json")
+    args = ap.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    ext = load_inline("nvfp4_read_energy", CPP_SRC, cuda_sources=CUDA_SRC, functions=["read_chunks_op"],
+                      extra_cuda_cflags=["-O3"], verbose=False)
+    chunks = 1 << 20  # 1 GiB of 1 KB chunks
+    data = torch.randint(0, 1 << 30, (chunks * 256,), dtype=torch.int32, device=device)
+    blocks = torch.cuda.get_device_properties(device).multi_processor_count * args.blocks_per_sm
+    sink = torch.empty(blocks * 128, dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(0)
+    orders = {"in order": torch.arange(chunks, dtype=torch.int32, device=device),
+              "permuted": torch.randperm(chunks, generator=gen).to(torch.int32).to(device)}
+    idle = idle_watts(2.0)
+    print(f"idle: {idle:.0f} W", flush=True)
+    rows = []
+    for mode_name, mode in MODES.items():
+        for order_name, order in orders.items():
+            samples, us = run_for(lambda: ext.read_chunks_op(data, order, sink, mode, blocks), args.seconds)
+            mhz = statistics.median(s["sm_mhz"] for s in samples)
+            watts = statistics.median(s["watts"] for s in samples)
+            tbps = chunks * 1024 / us / 1e6
+            pj_per_byte = (watts - idle) * us * 1e-6 / (chunks * 1024) * 1e12
+            row = dict(mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
+                       pj_per_byte_above_idle=pj_per_byte, reasons=sorted({s["reasons"] for s in samples}))
+            rows.append(row)
+            print(f"{mode_name:16s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  {watts:.0f} W  "
+                  f"{pj_per_byte:.0f} pJ/B above idle  {','.join(row['reasons'])}", flush=True)
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts=idle, rows=rows),
+                                         indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
