@@ -57,7 +57,9 @@ def run_for(fn, seconds: float) -> tuple[list[dict], float]:
     smi.terminate()
     lines = smi.communicate()[0].strip().splitlines()
     samples = []
-    for line in lines[len(lines) // 5:]:  # the first fifth: the clock still ramping
+    # nvidia-smi's power.draw averages over about a second, and the clock ramps: the first 1.2 s
+    # (24 samples), or the first fifth if more, are dropped
+    for line in lines[max(len(lines) // 5, 24):]:
         parts = [x.strip() for x in line.split(",")]
         try:
             samples.append(dict(sm_mhz=float(parts[0]), watts=float(parts[1]), temp_c=float(parts[2]), reasons=parts[3]))

@@ -5,7 +5,7 @@ FlashInfer's BF16 decode the same, a device-to-device copy some 60-80 pJ per byt
 1 GiB as 1 KB chunks (one warp per chunk per step, a page-head's K data at D 128 and page 16) in
 each of these ways, each replayed back to back for --seconds while nvidia-smi samples (the helpers of
 scripts/clock_under_load.py), and prints time, TB/s, SM clock, power and energy per byte above the
-idle draw, which it measures first:
+idle draw, which it measures before and after (the card warms up):
 
 * ldg: 16-byte loads into registers, whole 128-byte lines per warp instruction, XOR-reduced;
 * cp.async-lines: 16-byte cp.async.cg into a 4-stage shared-memory ring per warp, read back and
@@ -47,11 +47,13 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// 8 blocks per SM (the driver's default): without that bound ptxas held mode 0 to 32 registers and
+// consumed its first chunk after 3 of the 8 loads.
 // mode 0: ldg, whole lines; 1: cp.async, whole lines; 2: cp.async, rows of 64 bytes by lane pairs,
 // whole sectors (the decode since 9124e57); 3: the same, half of two sectors each (the decode before).
 // A warp reads chunk order[i] (1 KB: 64 x 16 bytes) at step i, steps grid-stride over the chunks.
 template <int kMode>
-__global__ void __launch_bounds__(kWarps * 32) read_chunks(const uint4* data, const int* order, int chunks,
+__global__ void __launch_bounds__(kWarps * 32, 8) read_chunks(const uint4* data, const int* order, int chunks,
                                                            uint32_t* sink) {
   __shared__ uint4 ring[kWarps][kStages][64];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -122,24 +124,27 @@ MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves"
 
 
 def idle_watts(seconds: float) -> float:
-    """The median power draw with nothing running, sampled for `seconds`."""
+    """The median power draw with nothing running, sampled for `seconds` (nvidia-smi's power.draw
+    averages over about a second: the first second is dropped)."""
     torch.cuda.synchronize()
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
     time.sleep(seconds)
     smi.terminate()
     watts = []
-    for line in smi.communicate()[0].strip().splitlines():
+    for line in smi.communicate()[0].strip().splitlines()[20:]:
         try:
             watts.append(float(line.split(",")[1]))
         except (ValueError, IndexError):
             continue
+    if not watts:
+        raise RuntimeError("nvidia-smi gave no power samples")
     return statistics.median(watts)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--blocks-per-sm", type=int, default=8)
     ap.add_argument("--out", default="read_energy.json")
     args = ap.parse_args()
@@ -153,23 +158,33 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     orders = {"in order": torch.arange(chunks, dtype=torch.int32, device=device),
               "permuted": torch.randperm(chunks, generator=gen).to(torch.int32).to(device)}
-    idle = idle_watts(2.0)
-    print(f"idle: {idle:.0f} W", flush=True)
+    idle_before = idle_watts(3.0)
+    print(f"idle: {idle_before:.0f} W", flush=True)
     rows = []
     for mode_name, mode in MODES.items():
         for order_name, order in orders.items():
             samples, us = run_for(lambda: ext.read_chunks_op(data, order, sink, mode, blocks), args.seconds)
+            if not samples:
+                raise RuntimeError("nvidia-smi gave no samples")
             mhz = statistics.median(s["sm_mhz"] for s in samples)
             watts = statistics.median(s["watts"] for s in samples)
             tbps = chunks * 1024 / us / 1e6
-            pj_per_byte = (watts - idle) * us * 1e-6 / (chunks * 1024) * 1e12
             row = dict(mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
-                       pj_per_byte_above_idle=pj_per_byte, reasons=sorted({s["reasons"] for s in samples}))
+                       reasons=sorted({s["reasons"] for s in samples}))
             rows.append(row)
             print(f"{mode_name:16s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  {watts:.0f} W  "
-                  f"{pj_per_byte:.0f} pJ/B above idle  {','.join(row['reasons'])}", flush=True)
-    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts=idle, rows=rows),
-                                         indent=1))
+                  f"{(watts - idle_before) * us * 1e-6 / (chunks * 1024) * 1e12:.0f} pJ/B above idle  "
+                  f"{','.join(row['reasons'])}", flush=True)
+    # the card warms up over the runs (its idle draw with it): the energy per byte above the mean of
+    # the idle draw before and after
+    idle_after = idle_watts(3.0)
+    idle = (idle_before + idle_after) / 2
+    print(f"idle after: {idle_after:.0f} W; pJ per byte above the mean idle draw:", flush=True)
+    for row in rows:
+        row["pj_per_byte_above_idle"] = (row["watts"] - idle) * row["us"] * 1e-6 / (chunks * 1024) * 1e12
+        print(f"  {row['mode']:16s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
+                                              idle_watts_after=idle_after, rows=rows), indent=1))
     return 0
 
 
