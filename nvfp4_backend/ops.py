@@ -174,6 +174,12 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _thread_blocks(batch_size: int, num_kv_heads: int, heads_per_block: int) -> int:
+    """Decode thread blocks per split: each request's kv heads, heads_per_block to a block (the
+    kernel's grid; the last block of a request may hold fewer)."""
+    return batch_size * -(-num_kv_heads // heads_per_block)
+
+
 def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                           num_sms: int) -> int:
     """Kv heads per thread block.  Packing h heads makes 1/h as many blocks, each h times as long,
@@ -182,12 +188,12 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     L 512, results/h200-2026-11-30-f6bc7ed): B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2, 256 75.1 ->
     70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed)."""
     slots = SPLIT_BLOCKS_PER_SM * num_sms
-    if batch_size * num_kv_heads <= slots:
+    if _thread_blocks(batch_size, num_kv_heads, 1) <= slots:
         return 1  # one wave already (an empty batch too): packing would only make the blocks longer
-    best, best_cost = 1, math.ceil(batch_size * num_kv_heads / slots)
+    best, best_cost = 1, math.ceil(_thread_blocks(batch_size, num_kv_heads, 1) / slots)
     for heads_per_block in (2, 4):
         if heads_per_block_allowed(group_size, max_query_len, heads_per_block):
-            cost = math.ceil(batch_size * -(-num_kv_heads // heads_per_block) / slots) * heads_per_block
+            cost = math.ceil(_thread_blocks(batch_size, num_kv_heads, heads_per_block) / slots) * heads_per_block
             if cost <= best_cost:
                 best, best_cost = heads_per_block, cost
     return best
@@ -225,7 +231,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     rows = max_query_len * group_size
     if heads_per_block is None:
         heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, num_sms)
-    blocks = max(batch_size * -(-num_kv_heads // heads_per_block), 1)
+    blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
     full = rows <= 8 or (rows <= 16 and head_dim <= 128)
     per_sm = SPLIT_BLOCKS_PER_SM if full else max(1, SPLIT_BLOCKS_PER_SM // 2)
     splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
