@@ -34,6 +34,26 @@ LOADS = ("decode-1x131072", "decode-128x512", "decode-64x8192-q4", "decode-64x81
          "copy", "read")
 
 
+def sampled(action) -> list[dict]:
+    """nvidia-smi's samples (every 50 ms) while action() runs.  Its power.draw averages over about a
+    second, and the clock ramps: the first 1.2 s (24 samples), or the first fifth if more, are dropped."""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    action()
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    samples = []
+    for line in lines[max(len(lines) // 5, 24):]:
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            samples.append(dict(sm_mhz=float(parts[0]), watts=float(parts[1]), temp_c=float(parts[2]), reasons=parts[3]))
+        except (ValueError, IndexError):
+            continue
+    if not samples:
+        raise RuntimeError("nvidia-smi gave no samples")
+    return samples
+
+
 def run_for(fn, seconds: float) -> tuple[list[dict], float]:
     """Replay fn (captured 20 times in one graph) for `seconds` while nvidia-smi samples: the
     samples, and the microseconds per call."""
@@ -43,29 +63,20 @@ def run_for(fn, seconds: float) -> tuple[list[dict], float]:
     with torch.cuda.graph(graph):
         for _ in range(20):
             fn()
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
-    start = time.time()
-    end = start + seconds
-    replays = 0
-    while time.time() < end:
-        for _ in range(10):
-            graph.replay()
-        replays += 10
-        torch.cuda.synchronize()
-    us_per_call = (time.time() - start) / (replays * 20) * 1e6
-    smi.terminate()
-    lines = smi.communicate()[0].strip().splitlines()
-    samples = []
-    # nvidia-smi's power.draw averages over about a second, and the clock ramps: the first 1.2 s
-    # (24 samples), or the first fifth if more, are dropped
-    for line in lines[max(len(lines) // 5, 24):]:
-        parts = [x.strip() for x in line.split(",")]
-        try:
-            samples.append(dict(sm_mhz=float(parts[0]), watts=float(parts[1]), temp_c=float(parts[2]), reasons=parts[3]))
-        except (ValueError, IndexError):
-            continue
-    return samples, us_per_call
+    us_per_call = 0.0
+
+    def replay() -> None:
+        nonlocal us_per_call
+        start = time.time()
+        replays = 0
+        while time.time() < start + seconds:
+            for _ in range(10):
+                graph.replay()
+            replays += 10
+            torch.cuda.synchronize()
+        us_per_call = (time.time() - start) / (replays * 20) * 1e6
+
+    return sampled(replay), us_per_call
 
 
 def summary(name: str, run: tuple[list[dict], float]) -> dict:

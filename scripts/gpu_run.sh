@@ -85,7 +85,8 @@ case $mode in
     abbench() { python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
                   --grid ${AB_GRID:-64x8192,256x2048,1x131072,128x512} ${AB_ARGS:---spec-q-len 4} --out "$OUT/ab_$1.json" 2>&1 \
                   | grep "^B=\|^write_kv" | sed "s/^/[$1] /"
-                [ -z "$AB_CLOCKS" ] || { mkdir -p scripts && cp "$REPO/scripts/clock_under_load.py" scripts/ 2>/dev/null
+                [ -z "$AB_CLOCKS" ] || {  # an exported revision gets the tree's script
+                  [ "$PWD" = "$REPO" ] || { mkdir -p scripts && cp "$REPO/scripts/clock_under_load.py" scripts/; }
                   python3 scripts/clock_under_load.py --seconds 3 --loads "$AB_CLOCKS" --out /dev/null 2>&1 \
                   | grep "us/call" | sed "s/^/[$1] /"; }; }
     REPO=$PWD

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from clock_under_load import FIELDS, run_for  # noqa: E402
+from clock_under_load import run_for, sampled  # noqa: E402
 
 CUDA_SRC = r"""
 #include <cstdint>
@@ -124,22 +123,9 @@ MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves"
 
 
 def idle_watts(seconds: float) -> float:
-    """The median power draw with nothing running, sampled for `seconds` (nvidia-smi's power.draw
-    averages over about a second: the first second is dropped)."""
+    """The median power draw with nothing running, sampled for `seconds`."""
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
-    time.sleep(seconds)
-    smi.terminate()
-    watts = []
-    for line in smi.communicate()[0].strip().splitlines()[20:]:
-        try:
-            watts.append(float(line.split(",")[1]))
-        except (ValueError, IndexError):
-            continue
-    if not watts:
-        raise RuntimeError("nvidia-smi gave no power samples")
-    return statistics.median(watts)
+    return statistics.median(s["watts"] for s in sampled(lambda: time.sleep(seconds)))
 
 
 def main() -> int:
@@ -164,8 +150,6 @@ def main() -> int:
     for mode_name, mode in MODES.items():
         for order_name, order in orders.items():
             samples, us = run_for(lambda: ext.read_chunks_op(data, order, sink, mode, blocks), args.seconds)
-            if not samples:
-                raise RuntimeError("nvidia-smi gave no samples")
             mhz = statistics.median(s["sm_mhz"] for s in samples)
             watts = statistics.median(s["watts"] for s in samples)
             tbps = chunks * 1024 / us / 1e6
