@@ -4,8 +4,11 @@ Per-SM rates measured in the tuning notes (tiles per microsecond) assume a clock
 lowers it under a load (power, temperature), instruction counts and occupancy read differently.
 This runs, one after another, each for --seconds: our decode (D 128, group 4, page 16) at
 1 x 131072, 128 x 512 and 64 x 8192 (also with 4 query tokens), FlashInfer's BF16 decode at 64 x 8192
-when it is importable, the writer (16K tokens), a device-to-device copy and a read-only sum; each as
-CUDA-graph replays back to back.  Prints per load the median and
+when it is importable, the writer (16K tokens), and a device-to-device copy of random bytes and of
+zeros (HBM's energy per byte depends on the data: scripts/read_energy.py); each as CUDA-graph replays
+back to back.  decode-64x8192-written is the 64 x 8192 decode on a cache that the writer filled from
+Gaussian keys and values instead of uniformly random bytes (codes and scales as a model's are
+distributed, roughly), to see how much of the decode's power is the data's.  Prints per load the median and
 range of the sampled SM clock and power draw, nvidia-smi's active clock-event reasons, and the time
 per call over the whole run (replays back to back, L2 warm: not the benchmark's timing).
 
@@ -30,8 +33,8 @@ from nvfp4_backend.layout import PagedKVCache  # noqa: E402
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
-LOADS = ("decode-1x131072", "decode-128x512", "decode-64x8192-q4", "decode-64x8192", "flashinfer-bf16", "write",
-         "copy", "read")
+LOADS = ("decode-1x131072", "decode-128x512", "decode-64x8192-q4", "decode-64x8192", "decode-64x8192-written",
+         "flashinfer-bf16", "write", "copy", "copy-zeros")
 
 
 def sampled(action) -> list[dict]:
@@ -115,25 +118,25 @@ def main() -> int:
         call, *_ = other.attention(torch.randn(B, 32, 128, dtype=torch.bfloat16, device=device), 1)
         rows.append(summary(f"nvfp4 decode {B}x{L}", run_for(call, args.seconds)))
         del other, call
-    if {"decode-64x8192-q4", "decode-64x8192", "flashinfer-bf16"} & set(loads):
+    if {"decode-64x8192-q4", "decode-64x8192", "decode-64x8192-written", "flashinfer-bf16"} & set(loads):
         at_64x8192(loads, shape, device, gen, args.seconds, rows)
     if "write" in loads:
         write_kv(device, args.seconds, rows)
-    if "copy" in loads:
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        rows.append(summary("copy 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
-        del src, dst
-    if "read" in loads:  # read-only and in order: what a byte read costs without the decode's pattern
-        src = torch.ones(1 << 30, dtype=torch.int32, device=device)
-        total = torch.empty((), dtype=torch.int64, device=device)
-        rows.append(summary("read 4 GiB (sum)", run_for(lambda: torch.sum(src, out=total), args.seconds)))
+    for name in ("copy", "copy-zeros"):
+        if name in loads:
+            src = torch.zeros(1 << 30, dtype=torch.uint8, device=device)
+            if name == "copy":
+                src.random_(0, 256, generator=gen)
+            dst = torch.zeros_like(src)
+            rows.append(summary(f"{name} 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
+            del src, dst
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
     return 0
 
 
 def at_64x8192(loads, shape, device, gen, seconds: float, rows: list) -> None:
-    """Our decode (q_len 4 and 1) and FlashInfer's BF16 decode on one 64 x 8192 cache."""
+    """Our decode (q_len 4 and 1) and FlashInfer's BF16 decode on one 64 x 8192 cache of random bytes, then
+    our decode on that cache rewritten from Gaussian data."""
     batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
     if "decode-64x8192-q4" in loads:
         call, *_ = batch.attention(torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device), 4)
@@ -152,8 +155,25 @@ def at_64x8192(loads, shape, device, gen, seconds: float, rows: list) -> None:
         out = torch.empty_like(q)
         rows.append(summary("flashinfer bf16 64x8192", run_for(lambda: w.run(q, (kc, vc), out=out, **kw), seconds)))
         del kc, vc, ws
+    # last: it overwrites the cache that the loads above read
+    if "decode-64x8192-written" in loads:
+        write_gaussian(batch.cache, batch.kg, batch.vg, gen)
+        call, *_ = batch.attention(q, 1)
+        rows.append(summary("nvfp4 decode 64x8192 written", run_for(call, seconds)))
     del batch
     torch.cuda.empty_cache()
+
+
+def write_gaussian(cache: PagedKVCache, k_global_scale, v_global_scale, gen: torch.Generator) -> None:
+    """Every slot of the cache rewritten by the writer from standard-normal keys and values (with the
+    benchmark's global scales, 0.02 and 0.03, a block maximum of ~2.5 takes an E4M3 scale of 14-21)."""
+    chunk = 1 << 16
+    for first in range(0, cache.num_slots, chunk):
+        slots = torch.arange(first, min(first + chunk, cache.num_slots), device=cache.device)
+        k = torch.randn(len(slots), cache.num_kv_heads, cache.head_dim, dtype=torch.bfloat16, device=cache.device,
+                        generator=gen)
+        ops.write_kv(k, torch.randn(k.shape, dtype=k.dtype, device=k.device, generator=gen), slots, cache,
+                     k_global_scale, v_global_scale)
 
 
 def write_kv(device, seconds: float, rows: list) -> None:

@@ -16,7 +16,8 @@ idle draw, which it measures before and after (the card warms up):
   per instruction;
 
 each with the chunks in order and in a random permutation (pages in random order, as the benchmark
-and an engine's allocator give them).  A CUDA extension built inline (torch.utils.cpp_extension).
+and an engine's allocator give them), over random bytes; and two of them over zeros.  A CUDA
+extension built inline (torch.utils.cpp_extension).
 
     python3 scripts/read_energy.py [--seconds 3] [--out read_energy.json]
 """
@@ -138,7 +139,8 @@ def main() -> int:
     ext = load_inline("nvfp4_read_energy", CPP_SRC, cuda_sources=CUDA_SRC, functions=["read_chunks_op"],
                       extra_cuda_cflags=["-O3"], verbose=False)
     chunks = 1 << 20  # 1 GiB of 1 KB chunks
-    data = torch.randint(0, 1 << 30, (chunks * 256,), dtype=torch.int32, device=device)
+    data = {"random": torch.randint(0, 256, (chunks * 1024,), dtype=torch.uint8, device=device).view(torch.int32),
+            "zeros": torch.zeros(chunks * 256, dtype=torch.int32, device=device)}
     blocks = torch.cuda.get_device_properties(device).multi_processor_count * args.blocks_per_sm
     sink = torch.empty(blocks * 128, dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(0)
@@ -147,18 +149,22 @@ def main() -> int:
     idle_before = idle_watts(3.0)
     print(f"idle: {idle_before:.0f} W", flush=True)
     rows = []
-    for mode_name, mode in MODES.items():
-        for order_name, order in orders.items():
-            samples, us = run_for(lambda: ext.read_chunks_op(data, order, sink, mode, blocks), args.seconds)
-            mhz = statistics.median(s["sm_mhz"] for s in samples)
-            watts = statistics.median(s["watts"] for s in samples)
-            tbps = chunks * 1024 / us / 1e6
-            row = dict(mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
-                       reasons=sorted({s["reasons"] for s in samples}))
-            rows.append(row)
-            print(f"{mode_name:16s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  {watts:.0f} W  "
-                  f"{(watts - idle_before) * us * 1e-6 / (chunks * 1024) * 1e12:.0f} pJ/B above idle  "
-                  f"{','.join(row['reasons'])}", flush=True)
+    # random bytes in every way; zeros (which toggle nothing on the memory bus) in two, to see how much
+    # of a byte's cost is its data's
+    cases = [("random", m, o) for m in MODES for o in orders] + [("zeros", "ldg", "in order"),
+                                                                  ("zeros", "cp.async-sectors", "permuted")]
+    for data_name, mode_name, order_name in cases:
+        src, order, mode = data[data_name], orders[order_name], MODES[mode_name]
+        samples, us = run_for(lambda: ext.read_chunks_op(src, order, sink, mode, blocks), args.seconds)
+        mhz = statistics.median(s["sm_mhz"] for s in samples)
+        watts = statistics.median(s["watts"] for s in samples)
+        tbps = chunks * 1024 / us / 1e6
+        row = dict(data=data_name, mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
+                   reasons=sorted({s["reasons"] for s in samples}))
+        rows.append(row)
+        print(f"{data_name:6s} {mode_name:16s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  "
+              f"{watts:.0f} W  {(watts - idle_before) * us * 1e-6 / (chunks * 1024) * 1e12:.0f} pJ/B above idle  "
+              f"{','.join(row['reasons'])}", flush=True)
     # the card warms up over the runs (its idle draw with it): the energy per byte above the mean of
     # the idle draw before and after
     idle_after = idle_watts(3.0)
@@ -166,7 +172,7 @@ def main() -> int:
     print(f"idle after: {idle_after:.0f} W; pJ per byte above the mean idle draw:", flush=True)
     for row in rows:
         row["pj_per_byte_above_idle"] = (row["watts"] - idle) * row["us"] * 1e-6 / (chunks * 1024) * 1e12
-        print(f"  {row['mode']:16s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
+        print(f"  {row['data']:6s} {row['mode']:16s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
                                               idle_watts_after=idle_after, rows=rows), indent=1))
     return 0
