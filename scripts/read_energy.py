@@ -14,6 +14,8 @@ idle draw, which it measures before and after (the card warms up):
   bytes, a lane pair per row, each instruction whole sectors but every other one;
 * cp.async-halves: the decode's pattern before 9124e57: each lane pair takes half of two sectors
   per instruction;
+* cp.async.bulk (SM90 and later): one bulk copy of the whole chunk per step, issued by one lane, its
+  completion counted on an mbarrier per stage (what a TMA-fed decode would do);
 
 each with the chunks in order and in a random permutation (pages in random order, as the benchmark
 and an engine's allocator give them), over random bytes; and two of them over zeros.  A CUDA
@@ -50,7 +52,8 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
 // 8 blocks per SM (the driver's default): without that bound ptxas held mode 0 to 32 registers and
 // consumed its first chunk after 3 of the 8 loads.
 // mode 0: ldg, whole lines; 1: cp.async, whole lines; 2: cp.async, rows of 64 bytes by lane pairs,
-// whole sectors (the decode since 9124e57); 3: the same, half of two sectors each (the decode before).
+// whole sectors (the decode since 9124e57); 3: the same, half of two sectors each (the decode before);
+// 4: one bulk copy per chunk (cp.async.bulk, SM90+), issued by lane 0, completion on an mbarrier.
 // A warp reads chunk order[i] (1 KB: 64 x 16 bytes) at step i, steps grid-stride over the chunks.
 template <int kMode>
 __global__ void __launch_bounds__(kWarps * 32, 8) read_chunks(const uint4* data, const int* order, int chunks,
@@ -72,6 +75,43 @@ __global__ void __launch_bounds__(kWarps * 32, 8) read_chunks(const uint4* data,
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
+  } else if constexpr (kMode == 4) {
+#if __CUDA_ARCH__ >= 900
+    __shared__ alignas(8) uint64_t bars[kWarps][kStages];  // a stage's copy completes its barrier's phase
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][0][0]));
+    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&bars[warp][0]));
+    if (lane == 0) {
+      for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar + 8 * s));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    int issued = 0;
+    auto issue = [&](int i) {
+      if (lane == 0 && i < chunks) {
+        const uint32_t s = issued % kStages;
+        // the warp's generic reads of this stage (ordered by __syncwarp) before the async proxy's write
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 1024;\n" ::"r"(bar + 8 * s) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];\n"
+                     ::"r"(base + s * 1024), "l"(data + int64_t(order[i]) * 64), "r"(bar + 8 * s) : "memory");
+      }
+      ++issued;
+    };
+    for (int s = 0; s < kStages - 1; ++s) issue(first + s * step);
+    int consumed = 0;
+    for (int i = first; i < chunks; i += step) {
+      const uint32_t s = consumed % kStages, parity = (consumed / kStages) & 1;
+      asm volatile("{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                   " @!done bra WAIT_%=;\n}\n" ::"r"(bar + 8 * s), "r"(parity) : "memory");
+      const uint4 a = ring[warp][s][lane], b = ring[warp][s][lane + 32];
+      acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+      ++consumed;
+      __syncwarp();
+      issue(i + (kStages - 1) * step);
+    }
+#else
+    __trap();  // the host runs mode 4 on SM90 and later only
+#endif
   } else {
     // the 16-byte pieces lane l copies, first instruction and second: mode 1 pieces l and l + 32; modes
     // 2 and 3 row l / 2 (pieces 4 (l / 2) .. + 3), half l % 2: mode 2 pieces 4 (l / 2) + l % 2 and + 2
@@ -116,11 +156,12 @@ void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink,
   if (mode == 1) read_chunks<1><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   if (mode == 2) read_chunks<2><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   if (mode == 3) read_chunks<3><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 4) read_chunks<4><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "read_chunks launch failed");
 }
 """
 CPP_SRC = "void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink, int64_t mode, int64_t blocks);"
-MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3}
+MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3, "cp.async.bulk": 4}
 
 
 def idle_watts(seconds: float) -> float:
@@ -151,7 +192,8 @@ def main() -> int:
     rows = []
     # random bytes in every way; zeros (which toggle nothing on the memory bus) in two, to see how much
     # of a byte's cost is its data's
-    cases = [("random", m, o) for m in MODES for o in orders] + [("zeros", "ldg", "in order"),
+    modes = [m for m in MODES if m != "cp.async.bulk" or torch.cuda.get_device_capability(device) >= (9, 0)]
+    cases = [("random", m, o) for m in modes for o in orders] + [("zeros", "ldg", "in order"),
                                                                   ("zeros", "cp.async-sectors", "permuted")]
     for data_name, mode_name, order_name in cases:
         src, order, mode = data[data_name], orders[order_name], MODES[mode_name]
