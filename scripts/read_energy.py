@@ -14,6 +14,7 @@ idle draw, which it measures before and after (the card warms up):
   bytes, a lane pair per row, each instruction whole sectors but every other one;
 * cp.async-halves: the decode's pattern before 9124e57: each lane pair takes half of two sectors
   per instruction;
+* cp.async-sectors-L2::128B / ::256B: the decode's pattern with an L2 prefetch-size hint;
 * cp.async.bulk (SM90 and later): one bulk copy of the whole chunk per step, issued by one lane, its
   completion counted on an mbarrier per stage (what a TMA-fed decode would do);
 
@@ -45,8 +46,13 @@ CUDA_SRC = r"""
 
 constexpr int kWarps = 4, kStages = 4;
 
+// kPrefetch: 0, or the L2 prefetch size hint in bytes (.L2::128B / .L2::256B: on a miss, L2 fetches
+// that much around the sector from DRAM at once; SM80+)
+template <int kPrefetch>
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  if constexpr (kPrefetch == 0) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  if constexpr (kPrefetch == 128) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  if constexpr (kPrefetch == 256) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // 8 blocks per SM (the driver's default): without that bound ptxas held mode 0 to 32 registers and
@@ -55,7 +61,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
 // whole sectors (the decode since 9124e57); 3: the same, half of two sectors each (the decode before);
 // 4: one bulk copy per chunk (cp.async.bulk, SM90+), issued by lane 0, completion on an mbarrier.
 // A warp reads chunk order[i] (1 KB: 64 x 16 bytes) at step i, steps grid-stride over the chunks.
-template <int kMode>
+template <int kMode, int kPrefetch = 0>
 __global__ void __launch_bounds__(kWarps * 32, 8) read_chunks(const uint4* data, const int* order, int chunks,
                                                            uint32_t* sink) {
   __shared__ uint4 ring[kWarps][kStages][64];
@@ -124,8 +130,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8) read_chunks(const uint4* data,
       if (i < chunks) {
         const uint4* chunk = data + int64_t(order[i]) * 64;
         const uint32_t stage = base + (issued % kStages) * 64 * 16;
-        cp_async16(stage + p0 * 16, chunk + p0);
-        cp_async16(stage + p1 * 16, chunk + p1);
+        cp_async16<kPrefetch>(stage + p0 * 16, chunk + p0);
+        cp_async16<kPrefetch>(stage + p1 * 16, chunk + p1);
       }
       asm volatile("cp.async.commit_group;\n" ::);
       ++issued;
@@ -157,11 +163,14 @@ void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink,
   if (mode == 2) read_chunks<2><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   if (mode == 3) read_chunks<3><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   if (mode == 4) read_chunks<4><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 5) read_chunks<2, 128><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
+  if (mode == 6) read_chunks<2, 256><<<grid, threads, 0, stream>>>(d, order.data_ptr<int>(), chunks, s);
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "read_chunks launch failed");
 }
 """
 CPP_SRC = "void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink, int64_t mode, int64_t blocks);"
-MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3, "cp.async.bulk": 4}
+MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3, "cp.async.bulk": 4,
+         "cp.async-sectors-L2::128B": 5, "cp.async-sectors-L2::256B": 6}
 
 
 def idle_watts(seconds: float) -> float:
@@ -204,7 +213,7 @@ def main() -> int:
         row = dict(data=data_name, mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
                    reasons=sorted({s["reasons"] for s in samples}))
         rows.append(row)
-        print(f"{data_name:6s} {mode_name:16s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  "
+        print(f"{data_name:6s} {mode_name:25s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  "
               f"{watts:.0f} W  {(watts - idle_before) * us * 1e-6 / (chunks * 1024) * 1e12:.0f} pJ/B above idle  "
               f"{','.join(row['reasons'])}", flush=True)
     # the card warms up over the runs (its idle draw with it): the energy per byte above the mean of
@@ -214,7 +223,7 @@ def main() -> int:
     print(f"idle after: {idle_after:.0f} W; pJ per byte above the mean idle draw:", flush=True)
     for row in rows:
         row["pj_per_byte_above_idle"] = (row["watts"] - idle) * row["us"] * 1e-6 / (chunks * 1024) * 1e12
-        print(f"  {row['data']:6s} {row['mode']:16s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
+        print(f"  {row['data']:6s} {row['mode']:25s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
                                               idle_watts_after=idle_after, rows=rows), indent=1))
     return 0
