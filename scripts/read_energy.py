@@ -22,7 +22,7 @@ each with the chunks in order and in a random permutation (pages in random order
 and an engine's allocator give them), over random bytes; and two of them over zeros.  A CUDA
 extension built inline (torch.utils.cpp_extension).
 
-    python3 scripts/read_energy.py [--seconds 3] [--out read_energy.json]
+    python3 scripts/read_energy.py [--seconds 3] [--modes ldg,cp.async-sectors] [--out read_energy.json]
 """
 from __future__ import annotations
 
@@ -183,8 +183,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--blocks-per-sm", type=int, default=8)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--out", default="read_energy.json")
     args = ap.parse_args()
+    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     device = torch.device("cuda", torch.cuda.current_device())
     ext = load_inline("nvfp4_read_energy", CPP_SRC, cuda_sources=CUDA_SRC, functions=["read_chunks_op"],
                       extra_cuda_cflags=["-O3"], verbose=False)
@@ -201,9 +205,9 @@ def main() -> int:
     rows = []
     # random bytes in every way; zeros (which toggle nothing on the memory bus) in two, to see how much
     # of a byte's cost is its data's
-    modes = [m for m in MODES if m != "cp.async.bulk" or torch.cuda.get_device_capability(device) >= (9, 0)]
-    cases = [("random", m, o) for m in modes for o in orders] + [("zeros", "ldg", "in order"),
-                                                                  ("zeros", "cp.async-sectors", "permuted")]
+    modes = [m for m in args.modes.split(",") if m != "cp.async.bulk" or torch.cuda.get_device_capability(device) >= (9, 0)]
+    cases = [("random", m, o) for m in modes for o in orders]
+    cases += [case for case in [("zeros", "ldg", "in order"), ("zeros", "cp.async-sectors", "permuted")] if case[1] in modes]
     for data_name, mode_name, order_name in cases:
         src, order, mode = data[data_name], orders[order_name], MODES[mode_name]
         samples, us = run_for(lambda: ext.read_chunks_op(src, order, sink, mode, blocks), args.seconds)
