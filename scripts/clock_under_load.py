@@ -11,7 +11,8 @@ Gaussian keys and values (codes and scales distributed roughly as a model's) ins
 benchmark's uniformly random codes and scale bytes in 0x28-0x47, right after the random cache's run,
 to see how much of the decode's power is the data's.  Prints per load the median and
 range of the sampled SM clock and power draw, nvidia-smi's active clock-event reasons, and the time
-per call over the whole run (replays back to back, L2 warm: not the benchmark's timing).
+per call over the whole run (replays back to back, L2 warm: not the benchmark's timing), and the
+energy per call above the idle draw, measured before and after the loads.
 
     python3 scripts/clock_under_load.py [--seconds 4] [--loads decode-64x8192,copy] [--out clocks.json]
 """
@@ -56,6 +57,12 @@ def sampled(action) -> list[dict]:
     if not samples:
         raise RuntimeError("nvidia-smi gave no samples")
     return samples
+
+
+def idle_watts(seconds: float) -> float:
+    """The median power draw with nothing running, sampled for `seconds`."""
+    torch.cuda.synchronize()
+    return statistics.median(s["watts"] for s in sampled(lambda: time.sleep(seconds)))
 
 
 def run_for(fn, seconds: float) -> tuple[list[dict], float]:
@@ -111,6 +118,8 @@ def main() -> int:
     gen.manual_seed(0)
     shape = argparse.Namespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
     rows = []
+    idle_before = idle_watts(3.0)
+    print(f"idle: {idle_before:.0f} W", flush=True)
 
     for B, L in ((1, 131072), (128, 512)):
         if f"decode-{B}x{L}" not in loads:
@@ -131,7 +140,15 @@ def main() -> int:
             dst = torch.zeros_like(src)
             rows.append(summary(f"{name} 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
             del src, dst
-    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), rows=rows), indent=1))
+    # energy per call above the idle draw (the mean of before and after: the card warms up)
+    idle_after = idle_watts(3.0)
+    idle = (idle_before + idle_after) / 2
+    print(f"idle after: {idle_after:.0f} W; energy per call above the mean idle draw:", flush=True)
+    for row in rows:
+        row["mj_above_idle"] = (row["watts_median"] - idle) * row["us_per_call"] * 1e-3
+        print(f"  {row['load']:28s} {row['mj_above_idle']:7.2f} mJ", flush=True)
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
+                                              idle_watts_after=idle_after, rows=rows), indent=1))
     return 0
 
 

@@ -30,14 +30,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from clock_under_load import run_for, sampled  # noqa: E402
+from clock_under_load import idle_watts, run_for  # noqa: E402
 
 CUDA_SRC = r"""
 #include <cstdint>
@@ -171,12 +170,6 @@ void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink,
 CPP_SRC = "void read_chunks_op(torch::Tensor data, torch::Tensor order, torch::Tensor sink, int64_t mode, int64_t blocks);"
 MODES = {"ldg": 0, "cp.async-lines": 1, "cp.async-sectors": 2, "cp.async-halves": 3, "cp.async.bulk": 4,
          "cp.async-sectors-L2::128B": 5, "cp.async-sectors-L2::256B": 6}
-
-
-def idle_watts(seconds: float) -> float:
-    """The median power draw with nothing running, sampled for `seconds`."""
-    torch.cuda.synchronize()
-    return statistics.median(s["watts"] for s in sampled(lambda: time.sleep(seconds)))
 
 
 def main() -> int:
