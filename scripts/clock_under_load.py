@@ -59,6 +59,11 @@ def sampled(action) -> list[dict]:
     return samples
 
 
+def seeded(device) -> torch.Generator:
+    """A generator seeded alike for every load: a load's data do not depend on which others ran."""
+    return torch.Generator(device=device).manual_seed(0)
+
+
 def idle_watts(seconds: float) -> float:
     """The median power draw with nothing running, sampled for `seconds`."""
     torch.cuda.synchronize()
@@ -114,8 +119,6 @@ def main() -> int:
     if unknown:
         ap.error(f"--loads: unknown {unknown}; choose from {', '.join(LOADS)}")
     device = torch.device("cuda", torch.cuda.current_device())
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
     shape = argparse.Namespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
     rows = []
     idle_before = idle_watts(3.0)
@@ -124,19 +127,20 @@ def main() -> int:
     for B, L in ((1, 131072), (128, 512)):
         if f"decode-{B}x{L}" not in loads:
             continue
+        gen = seeded(device)
         other = bench.uniform_batch(B, L, 16, shape, device, gen)
-        call, *_ = other.attention(torch.randn(B, 32, 128, dtype=torch.bfloat16, device=device), 1)
+        call, *_ = other.attention(torch.randn(B, 32, 128, dtype=torch.bfloat16, device=device, generator=gen), 1)
         rows.append(summary(f"nvfp4 decode {B}x{L}", run_for(call, args.seconds)))
         del other, call
     if {"decode-64x8192-q4", "decode-64x8192", "decode-64x8192-written", "flashinfer-bf16"} & set(loads):
-        at_64x8192(loads, shape, device, gen, args.seconds, rows)
+        at_64x8192(loads, shape, device, args.seconds, rows)
     if "write" in loads:
         write_kv(device, args.seconds, rows)
     for name in ("copy", "copy-zeros"):
         if name in loads:
             src = torch.zeros(1 << 30, dtype=torch.uint8, device=device)
             if name == "copy":
-                src.random_(0, 256, generator=gen)
+                src.random_(0, 256, generator=seeded(device))
             dst = torch.zeros_like(src)
             rows.append(summary(f"{name} 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
             del src, dst
@@ -152,14 +156,16 @@ def main() -> int:
     return 0
 
 
-def at_64x8192(loads, shape, device, gen, seconds: float, rows: list) -> None:
+def at_64x8192(loads, shape, device, seconds: float, rows: list) -> None:
     """Our decode (q_len 4 and 1) on one 64 x 8192 cache of random bytes, then on that cache rewritten
     from Gaussian data; FlashInfer's BF16 decode on its own cache with the same page table."""
+    gen = seeded(device)
     batch = bench.uniform_batch(64, 8192, 16, shape, device, gen)
+    q4 = torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device, generator=gen)
+    q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device, generator=gen)
     if "decode-64x8192-q4" in loads:
-        call, *_ = batch.attention(torch.randn(64 * 4, 32, 128, dtype=torch.bfloat16, device=device), 4)
+        call, *_ = batch.attention(q4, 4)
         rows.append(summary("nvfp4 decode 64x8192 q_len 4", run_for(call, seconds)))
-    q = torch.randn(64, 32, 128, dtype=torch.bfloat16, device=device)
     if "decode-64x8192" in loads:
         call, *_ = batch.attention(q, 1)
         rows.append(summary("nvfp4 decode 64x8192", run_for(call, seconds)))
@@ -196,9 +202,10 @@ def write_gaussian(cache: PagedKVCache, k_global_scale, v_global_scale, gen: tor
 def write_kv(device, seconds: float, rows: list) -> None:
     tokens = 16384
     cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", device)
-    k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=device)
-    v = torch.randn_like(k)
-    slots = torch.randperm(tokens, device=device) + 16
+    gen = seeded(device)
+    k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=device, generator=gen)
+    v = torch.randn(k.shape, dtype=k.dtype, device=device, generator=gen)
+    slots = torch.randperm(tokens, device=device, generator=gen) + 16
     kg = torch.tensor(0.01, device=device)
     rows.append(summary("nvfp4 write_kv 16K tokens", run_for(lambda: ops.write_kv(k, v, slots, cache, kg, kg), seconds)))
 
