@@ -188,9 +188,10 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     L 512, results/h200-2026-11-30-f6bc7ed): B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2, 256 75.1 ->
     70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed)."""
     slots = SPLIT_BLOCKS_PER_SM * num_sms
-    if _thread_blocks(batch_size, num_kv_heads, 1) <= slots:
+    unpacked = _thread_blocks(batch_size, num_kv_heads, 1)
+    if unpacked <= slots:
         return 1  # one wave already (an empty batch too): packing would only make the blocks longer
-    best, best_cost = 1, math.ceil(_thread_blocks(batch_size, num_kv_heads, 1) / slots)
+    best, best_cost = 1, math.ceil(unpacked / slots)
     for heads_per_block in (2, 4):
         if heads_per_block_allowed(group_size, max_query_len, heads_per_block):
             cost = math.ceil(_thread_blocks(batch_size, num_kv_heads, heads_per_block) / slots) * heads_per_block

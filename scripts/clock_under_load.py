@@ -70,6 +70,16 @@ def idle_watts(seconds: float) -> float:
     return statistics.median(s["watts"] for s in sampled(lambda: time.sleep(seconds)))
 
 
+def energy_above_idle(rows: list[dict], idle_before: float) -> float:
+    """Measures the idle draw again and gives each summary() row its energy per call above the mean of
+    the draws before and after (the card warms up over the runs): the idle draw after."""
+    idle_after = idle_watts(3.0)
+    idle = (idle_before + idle_after) / 2
+    for row in rows:
+        row["mj_above_idle"] = (row["watts_median"] - idle) * row["us_per_call"] * 1e-3
+    return idle_after
+
+
 def run_for(fn, seconds: float) -> tuple[list[dict], float]:
     """Replay fn (captured 20 times in one graph) for `seconds` while nvidia-smi samples: the
     samples, and the microseconds per call."""
@@ -144,12 +154,9 @@ def main() -> int:
             dst = torch.zeros_like(src)
             rows.append(summary(f"{name} 1 GiB", run_for(lambda: dst.copy_(src), args.seconds)))
             del src, dst
-    # energy per call above the idle draw (the mean of before and after: the card warms up)
-    idle_after = idle_watts(3.0)
-    idle = (idle_before + idle_after) / 2
+    idle_after = energy_above_idle(rows, idle_before)
     print(f"idle after: {idle_after:.0f} W; energy per call above the mean idle draw:", flush=True)
     for row in rows:
-        row["mj_above_idle"] = (row["watts_median"] - idle) * row["us_per_call"] * 1e-3
         print(f"  {row['load']:28s} {row['mj_above_idle']:7.2f} mJ", flush=True)
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
                                               idle_watts_after=idle_after, rows=rows), indent=1))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from clock_under_load import idle_watts, run_for  # noqa: E402
+from clock_under_load import energy_above_idle, idle_watts, run_for, summary  # noqa: E402
 
 CUDA_SRC = r"""
 #include <cstdint>
@@ -203,24 +202,16 @@ def main() -> int:
     cases += [case for case in [("zeros", "ldg", "in order"), ("zeros", "cp.async-sectors", "permuted")] if case[1] in modes]
     for data_name, mode_name, order_name in cases:
         src, order, mode = data[data_name], orders[order_name], MODES[mode_name]
-        samples, us = run_for(lambda: ext.read_chunks_op(src, order, sink, mode, blocks), args.seconds)
-        mhz = statistics.median(s["sm_mhz"] for s in samples)
-        watts = statistics.median(s["watts"] for s in samples)
-        tbps = chunks * 1024 / us / 1e6
-        row = dict(data=data_name, mode=mode_name, order=order_name, us=us, tbps=tbps, sm_mhz=mhz, watts=watts,
-                   reasons=sorted({s["reasons"] for s in samples}))
-        rows.append(row)
-        print(f"{data_name:6s} {mode_name:25s} {order_name:9s} {us:7.1f} us  {tbps:.2f} TB/s  SM {mhz:.0f} MHz  "
-              f"{watts:.0f} W  {(watts - idle_before) * us * 1e-6 / (chunks * 1024) * 1e12:.0f} pJ/B above idle  "
-              f"{','.join(row['reasons'])}", flush=True)
-    # the card warms up over the runs (its idle draw with it): the energy per byte above the mean of
-    # the idle draw before and after
-    idle_after = idle_watts(3.0)
-    idle = (idle_before + idle_after) / 2
-    print(f"idle after: {idle_after:.0f} W; pJ per byte above the mean idle draw:", flush=True)
+        row = summary(f"{data_name} {mode_name} {order_name}",
+                      run_for(lambda: ext.read_chunks_op(src, order, sink, mode, blocks), args.seconds))
+        rows.append(dict(row, data=data_name, mode=mode_name, order=order_name,
+                         tbps=chunks * 1024 / row["us_per_call"] / 1e6))
+    idle_after = energy_above_idle(rows, idle_before)
+    print(f"idle after: {idle_after:.0f} W; TB/s and pJ per byte above the mean idle draw:", flush=True)
     for row in rows:
-        row["pj_per_byte_above_idle"] = (row["watts"] - idle) * row["us"] * 1e-6 / (chunks * 1024) * 1e12
-        print(f"  {row['data']:6s} {row['mode']:25s} {row['order']:9s} {row['pj_per_byte_above_idle']:.0f}", flush=True)
+        row["pj_per_byte_above_idle"] = row["mj_above_idle"] * 1e9 / (chunks * 1024)
+        print(f"  {row['data']:6s} {row['mode']:25s} {row['order']:9s} {row['tbps']:5.2f} {row['pj_per_byte_above_idle']:5.0f}",
+              flush=True)
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(device), idle_watts_before=idle_before,
                                               idle_watts_after=idle_after, rows=rows), indent=1))
     return 0
