@@ -157,9 +157,9 @@ struct Config {
   // take two stages at a time, and a warp's sub-tiles of both share one softmax step: the row maxima's
   // shuffles, the rescale test and the loop's own work are paid once per 32 tokens instead of 16
   // (hd128 / hd64 3-10 % faster; hd256, whose tile work is twice hd128's, was 1 % slower at 64 x 8192).
-  // The two-row-tile kernel (up to 16 rows: q_len 4 at group 4) pairs at hd64 only: at hd128 it would
-  // spill some 20 registers per 32 tokens under its bound of 128
-  static constexpr int kTilesPerStep = kRowWarps == 1 && kHeadDim <= (kRowTiles == 1 ? 128 : 64) ? 2 : 1;
+  // The two-row-tile kernel (up to 16 rows: q_len 4 at group 4) pairs too; at hd128 that needs some 160
+  // registers, so its bound is 3 blocks per SM instead of 4 (no spills on sm_80, sm_90, sm_120)
+  static constexpr int kTilesPerStep = kRowWarps == 1 && kHeadDim <= 128 ? 2 : 1;
   static constexpr int kStepSubTiles = kTilesPerStep * kSubTiles;
   static constexpr int kRowsPerWarp = kRowTiles * 8;
   static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
@@ -226,14 +226,15 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; no spills at hd128 on sm_80 and sm_90).  The 1-row-tile kernel: 5 at
+// operands in shared memory; no spills at hd128 on sm_80 and sm_90), but 3 for hd128's one-row-warp
+// kernel, which takes two stages per iteration (some 160 registers).  The 1-row-tile kernel: 5 at
 // hd128 (its shared memory allows 5; 96 registers, unbounded some 120, which leaves 4) and 8 at
 // hd64 (64 registers); both with two stages per iteration spill a little (1-6 local loads per 32
 // tokens), measured faster than one stage per iteration without spills.  hd256: 2, what its shared
 // memory allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
 // spills); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? 4
+__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? (kRowWarps == 1 && kHeadDim == 128 ? 3 : 4)
                                             : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : kHeadDim == 256 ? 2 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
