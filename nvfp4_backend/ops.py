@@ -162,9 +162,21 @@ SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4
 """Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
-one row tile), and up to 16 at head dims <= 128 (two row tiles, Q operands in shared memory, 4
-blocks resident); other wide blocks hold more registers, so half as many.  The count is rounded
-down: the splits never spill a partial extra wave past that many blocks per SM."""
+one row tile).  The count is rounded down: the splits never spill a partial extra wave past that
+many blocks per SM.  Wider blocks hold more registers: _blocks_per_sm scales it for them."""
+
+
+def _blocks_per_sm(rows: int, head_dim: int) -> int:
+    """The split planner's target for a block of ``rows`` query rows: SPLIT_BLOCKS_PER_SM for one
+    row tile and for two at D 64 (4 resident); 3/4 of it for two row tiles at D 128, whose kernel takes
+    two stages per iteration in some 160 registers (3 resident; at q_len 4 on an H200 this planned 1 x
+    131072 in 83 us instead of 93, 8 x 32768 in 143 instead of 152: results/h200-2026-11-30-0aa5c27);
+    half of it for the rest."""
+    if rows <= 8 or (rows <= 16 and head_dim <= 64):
+        return SPLIT_BLOCKS_PER_SM
+    if rows <= 16 and head_dim <= 128:
+        return max(1, SPLIT_BLOCKS_PER_SM * 3 // 4)
+    return max(1, SPLIT_BLOCKS_PER_SM // 2)
 
 
 def num_sms(device) -> int:
@@ -233,9 +245,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     if heads_per_block is None:
         heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, num_sms)
     blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
-    full = rows <= 8 or (rows <= 16 and head_dim <= 128)
-    per_sm = SPLIT_BLOCKS_PER_SM if full else max(1, SPLIT_BLOCKS_PER_SM // 2)
-    splits = max(1, min(per_sm * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    splits = max(1, min(_blocks_per_sm(rows, head_dim) * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0, heads_per_block)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
