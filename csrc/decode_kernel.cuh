@@ -235,7 +235,7 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // spills); 0 leaves the others to the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? (kRowWarps == 1 && kHeadDim == 128 ? 3 : 4)
-                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 5) : kHeadDim == 256 ? 2 : 0)
+                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 4) : kHeadDim == 256 ? 2 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
