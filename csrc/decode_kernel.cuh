@@ -227,15 +227,16 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // ------------------------------------------------------------------ the kernel
 // Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
 // operands in shared memory; no spills at hd128 on sm_80 and sm_90), but 3 for hd128's one-row-warp
-// kernel, which takes two stages per iteration (some 160 registers).  The 1-row-tile kernel: 5 at
-// hd128 (its shared memory allows 5; 96 registers, unbounded some 120, which leaves 4) and 8 at
-// hd64 (64 registers); both with two stages per iteration spill a little (1-6 local loads per 32
-// tokens), measured faster than one stage per iteration without spills.  hd256: 2, what its shared
-// memory allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
-// spills); 0 leaves the others to the compiler.
+// kernel, which takes two stages per iteration (some 160 registers).  The 1-row-tile kernel: 4 at
+// hd64 and hd128 (the split planner's target; 96 and 126 registers, no spills), where a bound of 8
+// (hd64) or 5 (hd128) squeezed it into 64 or 96 registers at the price of spills and of loop
+// indices recomputed every iteration (hd128: 2-4 % slower at 64 x 8192,
+// results/h200-2026-11-30-473cf26).  hd256: 2, what its shared memory allows on sm_80 and sm_90
+// (unbounded, ptxas gave the fp16 32-row kernel 168 registers and spills); 0 leaves the others to
+// the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
 __global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? (kRowWarps == 1 && kHeadDim == 128 ? 3 : 4)
-                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? (kHeadDim == 64 ? 8 : 4) : kHeadDim == 256 ? 2 : 0)
+                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4 : kHeadDim == 256 ? 2 : 0)
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
