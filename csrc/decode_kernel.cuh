@@ -230,8 +230,8 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // kernel, which takes two stages per iteration (some 160 registers).  The 1-row-tile kernel: 4 at
 // hd64 and hd128 (the split planner's target; 96 and 126 registers, no spills), where a bound of 8
 // (hd64) or 5 (hd128) squeezed it into 64 or 96 registers at the price of spills and of loop
-// indices recomputed every iteration (hd128: 2-4 % slower at 64 x 8192,
-// results/h200-2026-11-30-473cf26).  hd256: 2, what its shared memory allows on sm_80 and sm_90
+// indices recomputed every iteration (3-4 % slower at 64 x 8192 at hd128 and hd64:
+// results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory allows on sm_80 and sm_90
 // (unbounded, ptxas gave the fp16 32-row kernel 168 registers and spills); 0 leaves the others to
 // the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
