@@ -136,7 +136,11 @@ __device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t
 // zero bytes between.  The masks: bit 3 of each byte is in 0x0E, so `sign` keeps only bit 7 there.
 __device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
   const uint32_t sign = q & 0x88888888u;
-  const uint32_t even = select_bits(q << 1, sign << 4, 0x0E0E0E0Eu);  // codes 0, 2, 4, 6
+  // sign << 4 as its own shift: in plain C++ the compiler rewrites it as (q << 4) & 0x88888880, an
+  // AND more per word, since it no longer sees `sign`
+  uint32_t sign4;
+  asm("shl.b32 %0, %1, 4;\n" : "=r"(sign4) : "r"(sign));
+  const uint32_t even = select_bits(q << 1, sign4, 0x0E0E0E0Eu);  // codes 0, 2, 4, 6
   const uint32_t odd = select_bits(q >> 3, sign, 0x0E0E0E0Eu);        // codes 1, 3, 5, 7
   pairs[0] = __byte_perm(even, 0u, 0x2404);  // {0, byte 0, 0, byte 2}
   pairs[1] = __byte_perm(even, 0u, 0x3414);  // {0, byte 1, 0, byte 3}
