@@ -10,9 +10,9 @@
 //    Half or a quarter as many blocks, each as long: a grid of more blocks than fit at once (many
 //    short requests) takes one wave instead of two, and pays each block's start and end once.
 //  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
-//    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-tile
-//    kernels of hd64 and hd128 (up to 8 query rows: plain decode) and hd64's two-row-tile kernel
-//    (up to 16) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
+//    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-warp
+//    kernels of hd64 and hd128 (up to 8 query rows with one row tile: plain decode; up to 16 with
+//    two) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
 //    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
 //    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
