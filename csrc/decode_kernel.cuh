@@ -136,8 +136,8 @@ __device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t
 // zero bytes between.  The masks: bit 3 of each byte is in 0x0E, so `sign` keeps only bit 7 there.
 __device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
   const uint32_t sign = q & 0x88888888u;
-  // sign << 4 as its own shift: in plain C++ the compiler rewrites it as (q << 4) & 0x88888880, an
-  // AND more per word, since it no longer sees `sign`
+  // sign << 4 as its own shift: in plain C++ nvcc turns (q & m) << 4 into (q << 4) & (m << 4), which
+  // does not reuse `sign`: an AND more per word
   uint32_t sign4;
   asm("shl.b32 %0, %1, 4;\n" : "=r"(sign4) : "r"(sign));
   const uint32_t even = select_bits(q << 1, sign4, 0x0E0E0E0Eu);  // codes 0, 2, 4, 6
@@ -192,12 +192,25 @@ struct Config {
   static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
   // kernels with two row tiles and up to two row warps keep the Q^T operands in shared memory, one
   // copy per row warp ([row warp][tile][k-step][lane] x 8 bytes), instead of 16 registers per row
-  // tile per thread: their registers otherwise allow 3 resident blocks per SM (the 64-row kernel
+  // tile per thread: their registers would otherwise allow one block per SM fewer (the 64-row kernel
   // is held to 3 by its registers and shared memory either way)
   static constexpr bool kQInSmem = kRowTiles > 1 && kRowWarps <= 2;
   static constexpr int kQOffset = kLutOffset + 256 * 4;
   static constexpr int kQBytes = kQInSmem ? kRowWarps * kRowTiles * kKSteps * 32 * 8 : 0;
   static constexpr int kSmemBytes = kQOffset + kQBytes;
+  // The kernel's launch bound (blocks per SM that its registers must allow).  Two row tiles and up to
+  // two row warps: 4 (at most 128 registers, the Q operands in shared memory; no spills at hd128 on
+  // sm_80 and sm_90), but 3 where hd128's take two stages per iteration (some 160 registers).  One
+  // row tile and one row warp: 4 at hd64 and hd128, the split planner's target (96 and 126
+  // registers, no spills).  Bounds of 8 (hd64) and 5 (hd128) had squeezed them into 64 and 96
+  // registers with spills, and at hd128 loop indices recomputed every iteration: 3-5 % slower at
+  // 64 x 8192 (results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory
+  // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
+  // spills).  0 leaves the others to the compiler.
+  static constexpr int kMinBlocksPerSm = kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
+                                         : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
+                                         : kHeadDim == 256                                     ? 2
+                                                                                               : 0;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
@@ -229,18 +242,8 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 }
 
 // ------------------------------------------------------------------ the kernel
-// Two row tiles and up to two row warps: 4 resident blocks per SM (at most 128 registers, the Q
-// operands in shared memory; no spills at hd128 on sm_80 and sm_90), but 3 for hd128's one-row-warp
-// kernel, which takes two stages per iteration (some 160 registers).  The 1-row-tile kernel: 4 at
-// hd64 and hd128 (the split planner's target; 96 and 126 registers, no spills), where a bound of 8
-// (hd64) or 5 (hd128) squeezed it into 64 or 96 registers at the price of spills and of loop
-// indices recomputed every iteration (3-4 % slower at 64 x 8192 at hd128 and hd64:
-// results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory allows on sm_80 and sm_90
-// (unbounded, ptxas gave the fp16 32-row kernel 168 registers and spills); 0 leaves the others to
-// the compiler.
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads, kRowTiles > 1 && kRowWarps <= 2 ? (kRowWarps == 1 && kHeadDim == 128 ? 3 : 4)
-                                            : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4 : kHeadDim == 256 ? 2 : 0)
+__global__ void __launch_bounds__(kThreads, (Config<kHeadDim, kRowTiles, kRowWarps>::kMinBlocksPerSm))
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
