@@ -167,17 +167,18 @@ many blocks per SM.  Wider blocks hold more registers: _blocks_per_sm scales it 
 
 
 def _blocks_per_sm(rows: int, head_dim: int) -> int:
-    """The split planner's target for a block of ``rows`` query rows: SPLIT_BLOCKS_PER_SM for one
-    row tile and for two at D 64 (their kernels' launch bound, 4, at D <= 128); 3/4 of it for two row
-    tiles at D 128, whose kernel takes two stages per iteration in some 160 registers (bound 3; at
-    q_len 4 on an H200 this planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead of
-    152: results/h200-2026-11-30-0aa5c27); half of it for the rest.  At D 256 the kernels keep 2
-    (shared memory), so the target of 4 plans up to two waves there."""
-    if rows <= 8 or (rows <= 16 and head_dim <= 64):
+    """The split planner's target for a block of ``rows`` query rows, what the kernel keeps resident:
+    SPLIT_BLOCKS_PER_SM for one row tile and for two at D 64 (their launch bound, 4); 3/4 of it for
+    two row tiles at D 128, whose kernel takes two stages per iteration in some 160 registers (bound
+    3; at q_len 4 on an H200 this planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead
+    of 152: results/h200-2026-11-30-0aa5c27); half of it for 32 rows and for D 256, whose kernels'
+    shared memory keeps 2 (D 256 plain decode at 2 instead of 4: 1 x 131072 122 us instead of 138,
+    other split grids 5-7 % faster: results/h200-2026-11-30-2b2aa9d)."""
+    if head_dim > 128 or rows > 16:
+        return max(1, SPLIT_BLOCKS_PER_SM // 2)
+    if rows <= 8 or head_dim <= 64:
         return SPLIT_BLOCKS_PER_SM
-    if rows <= 16 and head_dim <= 128:
-        return max(1, SPLIT_BLOCKS_PER_SM * 3 // 4)
-    return max(1, SPLIT_BLOCKS_PER_SM // 2)
+    return max(1, SPLIT_BLOCKS_PER_SM * 3 // 4)
 
 
 def num_sms(device) -> int:
