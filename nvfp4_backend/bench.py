@@ -38,7 +38,9 @@ def add_arguments(p) -> None:
                    help="time extends instead of decode: BxCxN triples (B requests, C cached tokens, N new tokens), "
                         "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill)")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--blocks-per-sm", type=int, default=None, help="override the split planner's target")
+    p.add_argument("--blocks-per-sm", type=int, default=None,
+                   help="override the split planner's target for plain decode at D <= 128 (ops.SPLIT_BLOCKS_PER_SM); "
+                        "the targets of the other kernels scale with it (ops._blocks_per_sm)")
     p.add_argument("--heads-per-block", type=int, default=None,
                    help="kv heads per decode thread block for q_len 1 (1, 2, 4; default: the planner's choice)")
     p.add_argument("--out", default="bench.json")
