@@ -162,18 +162,20 @@ SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
 SPLIT_BLOCKS_PER_SM = 4
 """Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
-one row tile).  The count is rounded down: the splits never spill a partial extra wave past that
-many blocks per SM.  Wider blocks hold more registers: _blocks_per_sm scales it for them."""
+one row tile, D <= 128).  The count is rounded down: the splits never spill a partial extra wave past
+that many blocks per SM.  Kernels that keep fewer blocks resident (more registers, or D 256's shared
+memory) get less: _blocks_per_sm."""
 
 
 def _blocks_per_sm(rows: int, head_dim: int) -> int:
-    """The split planner's target for a block of ``rows`` query rows, what the kernel keeps resident:
-    SPLIT_BLOCKS_PER_SM for one row tile and for two at D 64 (their launch bound, 4); 3/4 of it for
-    two row tiles at D 128, whose kernel takes two stages per iteration in some 160 registers (bound
-    3; at q_len 4 on an H200 this planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead
-    of 152: results/h200-2026-11-30-0aa5c27); half of it for 32 rows and for D 256, whose kernels'
-    shared memory keeps 2 (D 256 plain decode at 2 instead of 4: 1 x 131072 122 us instead of 138,
-    other split grids 5-7 % faster: results/h200-2026-11-30-2b2aa9d)."""
+    """The split planner's target for a block of ``rows`` query rows, what the kernel keeps resident
+    (csrc Config::kMinBlocksPerSm gives the launch bounds): at D <= 128, SPLIT_BLOCKS_PER_SM for one
+    row tile and for two at D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose
+    kernel takes two stages per iteration in some 160 registers (bound 3; at q_len 4 on an H200 this
+    planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead of 152:
+    results/h200-2026-11-30-0aa5c27); half of it for 32 rows and for D 256, whose kernels' shared
+    memory keeps 2 (D 256 plain decode at 2 instead of 4: 1 x 131072 122 us instead of 138, other
+    split grids 5-7 % faster: results/h200-2026-11-30-2b2aa9d)."""
     if head_dim > 128 or rows > 16:
         return max(1, SPLIT_BLOCKS_PER_SM // 2)
     if rows <= 8 or head_dim <= 64:
