@@ -197,13 +197,17 @@ def _thread_blocks(batch_size: int, num_kv_heads: int, heads_per_block: int) -> 
 
 
 def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
-                          num_sms: int) -> int:
+                          head_dim: int, num_sms: int) -> int:
     """Kv heads per thread block.  Packing h heads makes 1/h as many blocks, each h times as long,
-    so it pays when the blocks take fewer waves (at SPLIT_BLOCKS_PER_SM per SM) by a factor of h or
-    more; at a tie it still saves each block's start and end.  Measured on an H200 (D 128, group 4,
-    L 512, results/h200-2026-11-30-f6bc7ed): B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2, 256 75.1 ->
-    70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed)."""
-    slots = SPLIT_BLOCKS_PER_SM * num_sms
+    so it pays when the blocks take fewer waves (at the kernel's residency, _blocks_per_sm) by a
+    factor of h or more; at a tie it still saves each block's start and end.  Measured on an H200
+    (group 4; results/h200-2026-11-30-f6bc7ed): D 128, L 512, B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2,
+    256 75.1 -> 70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed).
+    D 256 keeps 2 blocks per SM (results/h200-2026-11-30-93f5335): packed at B 48 / 64, L 512 49 / 49
+    us instead of 56 / 58, and at B 64, L 2048 121 instead of 127; at B 40 and 48, L 2048 (ties too)
+    packing was 6 % slower (117 against 110)."""
+    rows = group_size * max_query_len
+    slots = _blocks_per_sm(rows, head_dim) * num_sms
     unpacked = _thread_blocks(batch_size, num_kv_heads, 1)
     if unpacked <= slots:
         return 1  # one wave already (an empty batch too): packing would only make the blocks longer
@@ -247,7 +251,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     if heads_per_block is None:
-        heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, num_sms)
+        heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, head_dim, num_sms)
     blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
     splits = max(1, min(_blocks_per_sm(rows, head_dim) * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:

@@ -191,21 +191,28 @@ def test_plan_attention_workspace_holds_the_partials(batch, kv_heads, group, q_l
     assert more.num_splits <= plan.num_splits                   # a fuller grid never needs more splits
 
 
-@pytest.mark.parametrize("batch", [1, 7, 64, 96, 128, 192, 256, 1000])
+@pytest.mark.parametrize("batch", [1, 7, 40, 64, 96, 128, 192, 256, 1000])
 @pytest.mark.parametrize("kv_heads, group, q_len", [(8, 4, 1), (8, 2, 1), (5, 1, 1), (8, 4, 2), (8, 8, 1), (3, 3, 1)])
-def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads, group, q_len):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads, group, q_len, head_dim):
     """Several kv heads per block only for plain decode whose rows fit, never together with split-KV
     (packing is for grids past one wave, splits for grids short of one), and only where the packed
-    grid's waves, each as many times longer as heads are packed, add up to no more than before."""
-    plan = ops.plan_attention(batch, kv_heads, group, q_len, 512, 128, num_sms=132)
+    grid's waves, each as many times longer as heads are packed, add up to no more than before.  A
+    wave is as many blocks as the kernel keeps resident: 4 per SM at D 128, 2 at D 256."""
+    plan = ops.plan_attention(batch, kv_heads, group, q_len, 512, head_dim, num_sms=132)
     hb = plan.heads_per_block
     assert ops.heads_per_block_allowed(group, q_len, hb)
-    slots = ops.SPLIT_BLOCKS_PER_SM * 132
+    slots = {128: 4, 256: 2}[head_dim] * 132
+    cost = lambda h: math.ceil(batch * -(-kv_heads // h) / slots) * h  # noqa: E731
     if hb > 1:
         assert plan.num_splits == 1
-        assert math.ceil(batch * -(-kv_heads // hb) / slots) * hb <= math.ceil(batch * kv_heads / slots)
+        assert cost(hb) <= cost(1)
     if batch * kv_heads <= slots:
         assert hb == 1  # one wave already: packing would only make the blocks longer
+    else:  # past one wave, more heads per block wherever they do not add waves (a tie saves starts and ends)
+        for more in (2, 4):
+            if more > hb and ops.heads_per_block_allowed(group, q_len, more):
+                assert cost(more) > cost(hb)
 
 
 @pytest.mark.parametrize("q_len, head_dim, per_sm", [(1, 128, 4), (2, 128, 4), (3, 128, 3), (4, 64, 4), (4, 128, 3),
