@@ -61,14 +61,23 @@ __device__ __forceinline__ void store(__nv_bfloat16* dst, float x) { *dst = __fl
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// dst: a shared address.  A negative page reads nothing and writes zeros (the ignore-src predicate,
+// set from the page inside the asm: a bool passed in became a register and a conversion back)
 template <int kBytes>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool valid) {  // dst: a shared address
-  const int src_bytes = valid ? kBytes : 0;  // 0: zero-fill, read nothing
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int page) {
   if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n"
+                 ::"r"(dst), "l"(src), "r"(page));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes));
+    asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %3, 0;\n cp.async.ca.shared.global [%0], [%1], %2, z;\n}\n"
+                 ::"r"(dst), "l"(src), "n"(kBytes), "r"(page));
   }
+}
+// a * b + c, 32 x 32 bits + 64 bits: one IMAD.WIDE.U32
+__device__ __forceinline__ const uint8_t* mad_wide(uint32_t a, uint32_t b, const uint8_t* c) {
+  const uint8_t* d;
+  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(d) : "r"(a), "r"(b), "l"(c));
+  return d;
 }
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -329,7 +338,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int load_warp = load_token >> 4, load_head = load_warp >> warp_head_shift;
   const bool load_live = load_head < heads_here;  // a block's last kv heads may be fewer
   const int load_kv_head = kv_base + (load_live ? load_head : 0);
-  const int page_mask = (1 << p.page_size_log2) - 1;
+  const uint32_t page_mask = opaque(static_cast<uint32_t>((1 << p.page_size_log2) - 1));
   // the loop-invariant parts of the copies are opaque(): held in registers, where nvcc would
   // otherwise recompute them from the parameters and the thread index for every tile (some 50
   // instructions per tile)
@@ -338,8 +347,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       opaque(static_cast<uint32_t>(begin + (load_warp & sub_mask) * 16 + (load_token & 15))));
   const int load_end = load_live ? end : begin;  // nothing to copy for a head the block lacks
   auto page_of = [&](int tile) -> int {
-    const int pos = load_pos + (tile << tile_shift);
-    return (tile < num_tiles && pos < load_end) ? __ldg(table + (pos >> p.page_size_log2)) : -1;
+    const int pos = load_pos + (tile << tile_shift);  // pos < load_end implies tile < num_tiles (load_pos >= begin)
+    return pos < load_end ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
   // the thread's fixed part of each copy: its kv head, its 16 bytes of each 32-byte sector of a token's
   // K and V data, and the K (half 0) or V (half 1) block scales.  The token's two threads copy a
@@ -359,20 +368,31 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       opaque(smem_addr(smem) + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes);
   // tiles past the last one, up to a whole step, are copied as zeros (their pages are -1): the step reads them
   const int step_tiles = (num_tiles + C::kTilesPerStep - 1) / C::kTilesPerStep * C::kTilesPerStep;
-  auto issue = [&](int tile, int page) {
-    if (tile < step_tiles) {
-      const uint32_t in_page = static_cast<uint32_t>((load_pos + (tile << tile_shift)) & page_mask);
-      const bool valid = page >= 0;
-      const uint32_t page_index = valid ? static_cast<uint32_t>(page) : 0u;
-      const uint64_t off = uint64_t(page_index) * data_page_stride + in_page * data_token_stride;
-      const uint64_t soff = uint64_t(page_index) * scale_page_stride + in_page * scale_token_stride;
-      const uint32_t stage = (tile % kStages) * C::kStageBytes;
+  // the copies of one softmax step's tiles (kTilesPerStep consecutive stages), one commit group: the
+  // stages' shared offsets differ by constants, and the step's tiles are all copied or none
+  auto issue_step = [&](int first_tile, const int (&pages)[C::kTilesPerStep]) {
+    if (first_tile < step_tiles) {
+      const uint32_t stage = (first_tile % kStages) * C::kStageBytes;
 #pragma unroll
-      for (int b = 0; b < C::kDataBytes; b += 32) {
-        cp_async<16>(data_dst + stage + b, k_src + off + b, valid);
-        cp_async<16>(data_dst + stage + C::kDataStage + b, v_src + off + b, valid);
+      for (int u = 0; u < C::kTilesPerStep; ++u) {
+        const int page = pages[u];  // negative: no page, the copies write zeros
+        const uint32_t in_page = static_cast<uint32_t>(load_pos + ((first_tile + u) << tile_shift)) & page_mask;
+        const uint32_t page_index = static_cast<uint32_t>(max(page, 0));  // a page to point at when there is none
+        // base + in_page * token stride + page * page stride as 32 x 32 + 64-bit multiply-adds: in
+        // C++, nvcc added one 64-bit offset to each base (some 15 instructions for the three sources)
+        auto source = [&](const uint8_t* base, uint32_t page_stride, uint32_t token_stride) {
+          return mad_wide(page_index, page_stride, mad_wide(in_page, token_stride, base));
+        };
+        const uint8_t* k = source(k_src, data_page_stride, data_token_stride);
+        const uint8_t* v = source(v_src, data_page_stride, data_token_stride);
+        const uint32_t dst = stage + u * C::kStageBytes;
+#pragma unroll
+        for (int b = 0; b < C::kDataBytes; b += 32) {
+          cp_async<16>(data_dst + dst + b, k + b, page);
+          cp_async<16>(data_dst + dst + C::kDataStage + b, v + b, page);
+        }
+        cp_async<C::kScaleBytes>(scale_dst + dst, source(scale_src, scale_page_stride, scale_token_stride), page);
       }
-      cp_async<C::kScaleBytes>(scale_dst + stage, scale_src + soff, valid);
     }
     cp_async_commit();
   };
@@ -386,7 +406,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = first_pages[kStages - C::kTilesPerStep + u];
   auto issue_prologue = [&] {
 #pragma unroll
-    for (int s = 0; s < kStages - C::kTilesPerStep; ++s) issue(s, first_pages[s]);
+    for (int s = 0; s < kStages - C::kTilesPerStep; s += C::kTilesPerStep)
+      issue_step(s, *reinterpret_cast<const int(*)[C::kTilesPerStep]>(&first_pages[s]));
   };
   // the copies go out before the scale table and the query operands are built, which they then
   // overlap; in KV mode "hadamard" the pipeline buffers first hold the rotated query rows
@@ -501,14 +522,13 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   __syncthreads();  // the scale table (and the Q operands in shared memory) are read by every warp
   for (int tile = 0; tile < num_tiles; tile += C::kTilesPerStep) {
-    cp_async_wait<kStages - 2 * C::kTilesPerStep>();
+    cp_async_wait<(kStages - 2 * C::kTilesPerStep) / C::kTilesPerStep>();  // a commit group per step
     // With one row warp, a warp reads only the sub-tiles of each stage that its own lanes copy, so a
     // warp barrier orders its copies and its reads, and the warps need not wait for each other every
     // tile.  Row warps share their sub-tiles and need the block's barrier.
     if constexpr (C::kTokenWarps == kWarps) __syncwarp();
     else __syncthreads();
-#pragma unroll
-    for (int u = 0; u < C::kTilesPerStep; ++u) issue(tile + kStages - C::kTilesPerStep + u, next_page[u]);
+    issue_step(tile + kStages - C::kTilesPerStep, next_page);
 #pragma unroll
     for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = page_of(tile + kStages + u);
     // the step's sub-tile j: this warp's sub-tile j % kSubTiles of stage tile + j / kSubTiles
