@@ -854,6 +854,9 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
   const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
   if (row >= rows) return;
   const int head = kv_head * p.group_size + row % p.group_size;
+  // loaded before the splits' (after them, each was a memory latency between the last barrier and the stores)
+  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
+  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   const int64_t first = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits * p.max_rows + row;
   const float* split_max = p.partial_max + first;  // split s at s * max_rows
   const float* split_sum = p.partial_sum + first;
@@ -896,14 +899,12 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
   *reinterpret_cast<float4*>(&group_out[group][d4]) = acc;
   __syncthreads();
 
-  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
   float m_all = sink;
   for (int g = 0; g < groups; ++g) m_all = fmaxf(m_all, group_max[g]);
   const float base = m_all == -INFINITY ? 0.f : m_all;
   float l_all = 0.f;
   for (int g = 0; g < groups; ++g) l_all += exp2f(group_max[g] - base) * group_sum[g];
   if (p.sinks != nullptr) l_all += exp2f(sink - base + kWeightBiasLog2);
-  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
   T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
            (int64_t)head * p.out_stride_head;
   for (int d = threadIdx.x; d < kHeadDim; d += blockDim.x) {
