@@ -205,7 +205,7 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     256 75.1 -> 70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed).
     D 256 keeps 2 blocks per SM (results/h200-2026-11-30-93f5335): packed at B 48 / 64, L 512 49 / 49
     us instead of 56 / 58, and at B 64, L 2048 121 instead of 127; at B 40 and 48, L 2048 (ties too)
-    packing was 6 % slower (117 against 110)."""
+    packing was 6-7 % slower (117 against 110)."""
     rows = group_size * max_query_len
     slots = _blocks_per_sm(rows, head_dim) * num_sms
     unpacked = _thread_blocks(batch_size, num_kv_heads, 1)
