@@ -61,16 +61,16 @@ __device__ __forceinline__ void store(__nv_bfloat16* dst, float x) { *dst = __fl
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// dst: a shared address.  A negative page reads nothing and writes zeros (the ignore-src predicate,
-// set from the page inside the asm: a bool passed in became a register and a conversion back)
+// dst: a shared address.  A negative zero_if_negative reads nothing and writes zeros (the ignore-src
+// predicate, set inside the asm: a bool passed in became a register and a conversion back)
 template <int kBytes>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int page) {
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int zero_if_negative) {
   if constexpr (kBytes == 16) {
     asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n"
-                 ::"r"(dst), "l"(src), "r"(page));
+                 ::"r"(dst), "l"(src), "r"(zero_if_negative));
   } else {
     asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %3, 0;\n cp.async.ca.shared.global [%0], [%1], %2, z;\n}\n"
-                 ::"r"(dst), "l"(src), "n"(kBytes), "r"(page));
+                 ::"r"(dst), "l"(src), "n"(kBytes), "r"(zero_if_negative));
   }
 }
 // a * b + c, 32 x 32 bits + 64 bits: one IMAD.WIDE.U32
@@ -224,6 +224,7 @@ struct Config {
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
   static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
+  static_assert(kStages % kTilesPerStep == 0, "a step's stages are consecutive in the ring, one commit group per step");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
   static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
 };
@@ -338,10 +339,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int load_warp = load_token >> 4, load_head = load_warp >> warp_head_shift;
   const bool load_live = load_head < heads_here;  // a block's last kv heads may be fewer
   const int load_kv_head = kv_base + (load_live ? load_head : 0);
-  const uint32_t page_mask = opaque(static_cast<uint32_t>((1 << p.page_size_log2) - 1));
   // the loop-invariant parts of the copies are opaque(): held in registers, where nvcc would
   // otherwise recompute them from the parameters and the thread index for every tile (some 50
   // instructions per tile)
+  const uint32_t page_mask = opaque(static_cast<uint32_t>((1 << p.page_size_log2) - 1));
   const int* table = opaque(p.block_table + (int64_t)req * p.block_table_stride);
   const int load_pos = static_cast<int>(  // at tile 0
       opaque(static_cast<uint32_t>(begin + (load_warp & sub_mask) * 16 + (load_token & 15))));
@@ -354,7 +355,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // K and V data, and the K (half 0) or V (half 1) block scales.  The token's two threads copy a
   // sector's two halves in one instruction: with each thread copying a contiguous half of the token
   // instead, every sector was requested from L2 twice, by two instructions.  Page strides and offsets
-  // within a page fit 32 bits (the binding checks), so a page's offset is one 32 x 32 -> 64-bit multiply-add
+  // within a page fit 32 bits (the binding checks): the 32 x 32 -> 64-bit multiply-adds of issue_step
   const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + load_half * 16);
   const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + load_half * 16);
   const uint8_t* scale_src =
@@ -370,7 +371,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int step_tiles = (num_tiles + C::kTilesPerStep - 1) / C::kTilesPerStep * C::kTilesPerStep;
   // the copies of one softmax step's tiles (kTilesPerStep consecutive stages), one commit group: the
   // stages' shared offsets differ by constants, and the step's tiles are all copied or none
-  auto issue_step = [&](int first_tile, const int (&pages)[C::kTilesPerStep]) {
+  auto issue_step = [&](int first_tile, const int* pages) {  // pages: the step's kTilesPerStep page indices
     if (first_tile < step_tiles) {
       const uint32_t stage = (first_tile % kStages) * C::kStageBytes;
 #pragma unroll
@@ -407,7 +408,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   auto issue_prologue = [&] {
 #pragma unroll
     for (int s = 0; s < kStages - C::kTilesPerStep; s += C::kTilesPerStep)
-      issue_step(s, *reinterpret_cast<const int(*)[C::kTilesPerStep]>(&first_pages[s]));
+      issue_step(s, &first_pages[s]);
   };
   // the copies go out before the scale table and the query operands are built, which they then
   // overlap; in KV mode "hadamard" the pipeline buffers first hold the rotated query rows

@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None,
                    help="override the split planner's target for plain decode at D <= 128 (ops.SPLIT_BLOCKS_PER_SM); "
-                        "the targets of the other kernels scale with it (ops._blocks_per_sm)")
+                        "the targets of the other kernels, and the heads-per-block picker's wave, scale with it (ops._blocks_per_sm)")
     p.add_argument("--heads-per-block", type=int, default=None,
                    help="kv heads per decode thread block for q_len 1 (1, 2, 4; default: the planner's choice)")
     p.add_argument("--out", default="bench.json")

@@ -168,8 +168,9 @@ memory) get less: _blocks_per_sm."""
 
 
 def _blocks_per_sm(rows: int, head_dim: int) -> int:
-    """The split planner's target for a block of ``rows`` query rows, what the kernel keeps resident
-    (csrc Config::kMinBlocksPerSm gives the launch bounds): at D <= 128, SPLIT_BLOCKS_PER_SM for one
+    """Blocks per SM of the kernel for ``rows`` query rows, what it keeps resident (csrc
+    Config::kMinBlocksPerSm gives the launch bounds): the split planner's target and the heads-per-block
+    picker's wave: at D <= 128, SPLIT_BLOCKS_PER_SM for one
     row tile and for two at D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose
     kernel takes two stages per iteration in some 160 registers (bound 3; at q_len 4 on an H200 this
     planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead of 152:
@@ -200,7 +201,8 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
                           head_dim: int, num_sms: int) -> int:
     """Kv heads per thread block.  Packing h heads makes 1/h as many blocks, each h times as long,
     so it pays when the blocks take fewer waves (at the kernel's residency, _blocks_per_sm) by a
-    factor of h or more; at a tie it still saves each block's start and end.  Measured on an H200
+    factor of h or more; at a tie it saves each block's start and end, which won in 6 of the 8 ties
+    measured (the two losses, below, were at the longer L, which the picker does not weigh).  On an H200
     (group 4; results/h200-2026-11-30-f6bc7ed): D 128, L 512, B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2,
     256 75.1 -> 70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed).
     D 256 keeps 2 blocks per SM (results/h200-2026-11-30-93f5335): packed at B 48 / 64, L 512 49 / 49

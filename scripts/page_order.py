@@ -5,7 +5,8 @@
 Shape as in `nvfp4-backend bench` (32 q heads, 8 kv heads, D 128, HND, bf16, q_len 1), the same
 random cache bytes; only the block table differs:
   random       the benchmark's order: every page anywhere in the cache;
-  interleaved  page i of request r at i * B + r: what a pool that hands out free slots in order gives
+  interleaved  page i of request r at i * B + r (+ 1 here and below: page 0 stays unused, as in the
+               benchmark): what a pool that hands out free slots in order gives
                when every request grows by a token per step (SGLang's token pool at page 1);
   contiguous   request r's pages one after another.
 Prints isolated / back-to-back us per order (medians of CUDA-graph replays, `bench.time_graph`).
