@@ -169,9 +169,9 @@ memory) get less: _blocks_per_sm."""
 
 def _blocks_per_sm(rows: int, head_dim: int) -> int:
     """Blocks per SM of the kernel for ``rows`` query rows, what it keeps resident (csrc
-    Config::kMinBlocksPerSm gives the launch bounds): the split planner's target and the heads-per-block
-    picker's wave: at D <= 128, SPLIT_BLOCKS_PER_SM for one
-    row tile and for two at D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose
+    Config::kMinBlocksPerSm gives the launch bounds): the split planner's target and the
+    heads-per-block picker's wave.  At D <= 128, SPLIT_BLOCKS_PER_SM for one row tile and for two at
+    D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose
     kernel takes two stages per iteration in some 160 registers (bound 3; at q_len 4 on an H200 this
     planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead of 152:
     results/h200-2026-11-30-0aa5c27); half of it for 32 rows and for D 256, whose kernels' shared
@@ -198,9 +198,10 @@ def _thread_blocks(batch_size: int, num_kv_heads: int, heads_per_block: int) -> 
 
 
 def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
-                          head_dim: int, num_sms: int) -> int:
-    """Kv heads per thread block.  Packing h heads makes 1/h as many blocks, each h times as long,
-    so it pays when the blocks take fewer waves (at the kernel's residency, _blocks_per_sm) by a
+                          slots: int) -> int:
+    """Kv heads per thread block, for a wave of ``slots`` blocks (the kernel's residency,
+    _blocks_per_sm, times the SMs).  Packing h heads makes 1/h as many blocks, each h times as long,
+    so it pays when the blocks take fewer waves by a
     factor of h or more; at a tie it saves each block's start and end, which won in 6 of the 8 ties
     measured (the two losses, below, were at the longer L, which the picker does not weigh).  On an H200
     (group 4; results/h200-2026-11-30-f6bc7ed): D 128, L 512, B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2,
@@ -208,8 +209,6 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     D 256 keeps 2 blocks per SM (results/h200-2026-11-30-93f5335): packed at B 48 / 64, L 512 49 / 49
     us instead of 56 / 58, and at B 64, L 2048 121 instead of 127; at B 40 and 48, L 2048 (ties too)
     packing was 6-7 % slower (117 against 110)."""
-    rows = group_size * max_query_len
-    slots = _blocks_per_sm(rows, head_dim) * num_sms
     unpacked = _thread_blocks(batch_size, num_kv_heads, 1)
     if unpacked <= slots:
         return 1  # one wave already (an empty batch too): packing would only make the blocks longer
@@ -252,10 +251,11 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
+    slots = _blocks_per_sm(rows, head_dim) * num_sms  # one wave of blocks
     if heads_per_block is None:
-        heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, head_dim, num_sms)
+        heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, slots)
     blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
-    splits = max(1, min(_blocks_per_sm(rows, head_dim) * num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    splits = max(1, min(slots // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if splits == 1:
         return AttentionPlan(1, 0, heads_per_block)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
