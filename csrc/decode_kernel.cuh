@@ -347,8 +347,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int load_pos = static_cast<int>(  // at tile 0
       opaque(static_cast<uint32_t>(begin + (load_warp & sub_mask) * 16 + (load_token & 15))));
   const int load_end = load_live ? end : begin;  // nothing to copy for a head the block lacks
+  auto pos_of = [&](int tile) { return load_pos + (tile << tile_shift); };  // this thread's token of a tile
   auto page_of = [&](int tile) -> int {
-    const int pos = load_pos + (tile << tile_shift);  // pos < load_end implies tile < num_tiles (load_pos >= begin)
+    const int pos = pos_of(tile);  // pos < load_end implies tile < num_tiles (load_pos >= begin)
     return pos < load_end ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
   // the thread's fixed part of each copy: its kv head, its 16 bytes of each 32-byte sector of a token's
@@ -377,7 +378,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int u = 0; u < C::kTilesPerStep; ++u) {
         const int page = pages[u];  // negative: no page, the copies write zeros
-        const uint32_t in_page = static_cast<uint32_t>(load_pos + ((first_tile + u) << tile_shift)) & page_mask;
+        const uint32_t in_page = static_cast<uint32_t>(pos_of(first_tile + u)) & page_mask;
         const uint32_t page_index = static_cast<uint32_t>(max(page, 0));  // a page to point at when there is none
         // base + in_page * token stride + page * page stride as 32 x 32 + 64-bit multiply-adds: in
         // C++, nvcc added one 64-bit offset to each base (some 15 instructions for the three sources)
