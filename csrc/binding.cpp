@@ -47,6 +47,14 @@ nvfp4::QueryType query_type(const Tensor& t, const char* name) {
 
 nvfp4::PageStrides strides_of(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The decode kernel reads query rows and writes output rows ([tokens, heads, D]) in 16-byte pieces.
+void check_rows_aligned(const Tensor& t, const char* name) {
+  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 2; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) * t.element_size() % 16 == 0);
+  CHECK_ARG(aligned, name, " rows must be 16-byte aligned (data pointer and token / head strides multiples of 16 bytes), "
+            "got strides ", t.strides());
+}
+
 void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
                  const at::Device& device) {
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
@@ -222,6 +230,8 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
               max_rows, " exceeds the decode kernel's ", nvfp4::decode_max_rows(head_dim), " rows at head_dim ",
               head_dim);
   CHECK_ARG(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
+  check_rows_aligned(q, "q");
+  check_rows_aligned(out, "out");
   CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   query_start_loc.is_contiguous() && block_table.stride(1) == 1,

@@ -95,16 +95,16 @@ __device__ __forceinline__ const T* opaque(const T* x) {
   asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
   return x;
 }
-// A read-only 16-bit load that stays where it is written: nvcc sinks plain loads towards their first
-// use, and volatile asm keeps its order with the copies' (volatile) asm
-__device__ __forceinline__ unsigned short load_u16_in_order(const unsigned short* src) {
-  unsigned short v;
-  asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(src));
-  return v;
-}
+// Read-only loads that stay where they are written: nvcc sinks plain loads towards their first use,
+// and volatile asm keeps its order with the copies' (volatile) asm
 __device__ __forceinline__ float load_in_order(const float* src) {
   float v;
   asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ uint4 load_in_order(const uint4* src) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
   return v;
 }
 __device__ __forceinline__ float4 load_in_order(const float4* src) {
@@ -188,13 +188,8 @@ struct Config {
   static constexpr int kScaleStage = kTileTokens * kScaleBytes;
   static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
   static constexpr int kPipelineBytes = kStages * kStageBytes;
-  // per token warp and row: the output row, its running max and sum; then per row the token warps'
-  // weights, v_scale / sum and the sum; then per row the offset of its output (or partial) row
-  // (8-byte aligned), and the mask of the token warps that streamed its kv head
-  static constexpr int kFactorBytes = (kTokenWarps * kMaxRows * (kHeadDim + 2) + kMaxRows * (kTokenWarps + 2)) * 4;
-  static constexpr int kOutOffsets = (kFactorBytes + 7) / 8 * 8;
-  static constexpr int kLiveWarps = kOutOffsets + kMaxRows * 8;
-  static constexpr int kMergeBytes = kLiveWarps + kMaxRows * 4;
+  // per token warp and row: the output row, its running max and sum
+  static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
   static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
@@ -293,8 +288,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // into operands only after the first copies go out: issued after the copies, they waited behind
   // that burst (16 % of the warp-stall samples at 82 x 512), and consumed before them, they held the
   // copies back (12 % at 82 x 128).  KV mode "hadamard" takes the operands from its rotated rows instead.
+  // A thread's elements of a row are the D/4 from c * D/4, so they load as D/32 16-byte pieces (the
+  // binding requires 16-byte aligned rows); loaded as 2-byte elements (32 loads per row tile at hd128)
+  // they had queued behind each other at the kernel's start (12 % of the warp-stall samples at 128 x 512).
   auto q_element = [&](int s, int half) { return c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half); };
-  unsigned short q_bits[kRowTiles][C::kKSteps][2][2];  // [tile][k-step][slot][element e, e + 4]
+  constexpr int kQPieces = kHeadDim / 32;  // piece m: elements 8m .. 8m + 7 of the thread's D/4, k-steps 2m, 2m + 1
+  uint4 q_raw[kRowTiles][kQPieces];
   if (!p.hadamard) {
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t) {
@@ -302,15 +301,11 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       const bool live = row < rows;
       // row_offset(live ? row : 0, ...) spelled out: that form compiles to a different prologue,
       // which has not been measured
-      const unsigned short* qrow = reinterpret_cast<const unsigned short*>(
+      const uint4* qrow = reinterpret_cast<const uint4*>(
           static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
-          (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head);
+          (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head + c * (kHeadDim / 4));
 #pragma unroll
-      for (int s = 0; s < C::kKSteps; ++s)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) q_bits[t][s][half][i] = live ? load_u16_in_order(qrow + q_element(s, half) + 4 * i) : 0;
+      for (int m = 0; m < kQPieces; ++m) q_raw[t][m] = live ? load_in_order(qrow + m) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 
@@ -440,8 +435,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int e = q_element(s, half);
+        // piece s / 2 holds elements {e0 e1, e2 e3, e4 e5, e6 e7}; slot half of k-step s is (e_j, e_j+4),
+        // j = pair_element(2 (s % 2) + half): low halves of words (half, half + 2) for even s, high for odd
+        const uint4 piece = q_raw[t][s >> 1];
+        const uint32_t q_pair = __byte_perm(half ? piece.y : piece.x, half ? piece.w : piece.z, s & 1 ? 0x7632 : 0x5410);
         q_frag[t][s][half] = p.hadamard ? pack2(rotated[e] * p.hadamard_scale, rotated[e + 4] * p.hadamard_scale, T())
-                                        : q_bits[t][s][half][0] | (uint32_t(q_bits[t][s][half][1]) << 16);
+                                        : q_pair;
       }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -708,6 +707,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       }
     }
   }
+  // the output scale's load goes out before the epilogue's barriers: loaded after them (where it is
+  // used), its latency stalled every block of a one-wave grid at once
+  const float v_scale = load_in_order(p.v_global_scale) * kDequantBias;
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers become the merge buffers
 
@@ -742,14 +744,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   }
   __syncthreads();
 
-  // per row, once: each token warp's weight, and the row's normalization.  A row merges the token
-  // warps that streamed its kv head (all of them unless the block packs heads); the others computed
-  // it against another head's keys, so they must not enter it, not even times 0 (NaN * 0)
-  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
-  float* row_factors = merge_ml + C::kTokenWarps * C::kMaxRows * 2;  // [rows][token warps + 2]
-  int64_t* out_offsets = reinterpret_cast<int64_t*>(smem + C::kOutOffsets);  // [rows]
-  int* live_warps = reinterpret_cast<int*>(smem + C::kLiveWarps);         // [rows]
-  for (int row = threadIdx.x; row < rows; row += kThreads) {
+  // Each thread then finishes 8 consecutive elements of a row at a time (one 16-byte store, two for
+  // fp32 partials), from the token warps that streamed the row's kv head (all of them unless the block
+  // packs heads; the others computed it against another head's keys, so they must not enter it, not
+  // even times 0: NaN * 0).  Every thread derives its row's weights itself: a pass of one warp over
+  // the rows, between two barriers, had kept the other warps waiting, and an element per thread and
+  // pass cost 8 passes of shared loads and 2-byte stores at hd128 (together 17 % of the warp-stall
+  // samples at 128 x 512).
+  constexpr int kPieces = kHeadDim / 8;  // a row's 8-element pieces
+  auto partial_row = [&](int row, int head) {  // the row's partial row index (split-KV)
+    const int64_t part = ((int64_t)req * p.num_kv_heads + kv_base + head) * p.num_splits + split;
+    return part * p.max_rows + row - head * head_rows;
+  };
+  for (int idx = threadIdx.x; idx < rows * kPieces; idx += kThreads) {
+    const int row = idx / kPieces, d0 = idx % kPieces * 8;
     const int head = row / head_rows;  // of the block's heads
     auto live = [&](int w) { return (w >> warp_head_shift) == head; };
     float m = -INFINITY;
@@ -757,63 +765,45 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int w = 0; w < C::kTokenWarps; ++w)
       if (live(w)) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
     const float base = m == -INFINITY ? 0.f : m;
-    float l = 0.f;
-    int live_mask = 0;
+    float l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w) {
       if (!live(w)) continue;
       const float f = exp2f(merge_ml[(w * C::kMaxRows + row) * 2] - base);
-      row_factors[row * (C::kTokenWarps + 2) + w] = f;
       l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
-      live_mask |= 1 << w;
+      const float4* src = reinterpret_cast<const float4*>(merge_out + (w * C::kMaxRows + row) * kHeadDim + d0);
+      const float4 lo = src[0], hi = src[1];
+      o[0] += f * lo.x, o[1] += f * lo.y, o[2] += f * lo.z, o[3] += f * lo.w;
+      o[4] += f * hi.x, o[5] += f * hi.y, o[6] += f * hi.z, o[7] += f * hi.w;
     }
-    live_warps[row] = live_mask;
-    if (p.num_splits > 1) {  // the partial rows stay unnormalized; row's partial row index
-      const int64_t part = ((int64_t)req * p.num_kv_heads + kv_base + head) * p.num_splits + split;
-      out_offsets[row] = part * p.max_rows + row - head * head_rows;
-      p.partial_max[out_offsets[row]] = m;
-      p.partial_sum[out_offsets[row]] = l;
+    if (p.num_splits > 1) {  // the partial rows stay unnormalized
+      const int64_t part_row = partial_row(row, head);
+      if (d0 == 0) p.partial_max[part_row] = m, p.partial_sum[part_row] = l;
     } else {
       if (p.sinks != nullptr) {
         const float sink = __ldg(p.sinks + kv_base * p.group_size + row % row_group) * kLog2e;
         const float m2 = fmaxf(m, sink);
         const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
 #pragma unroll
-        for (int w = 0; w < C::kTokenWarps; ++w)
-          if (live(w)) row_factors[row * (C::kTokenWarps + 2) + w] *= f;
+        for (int k = 0; k < 8; ++k) o[k] *= f;
         l = l * f + exp2f(sink - m2 + kWeightBiasLog2);
       }
-      row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps] = v_scale / l;
-      row_factors[row * (C::kTokenWarps + 2) + C::kTokenWarps + 1] = l;
-      // once per row here, not a division per output element below
-      out_offsets[row] = row_offset(row, p.out_stride_token, p.out_stride_head);
-    }
-  }
-  __syncthreads();
-
-  auto out_row = [&](int row) { return static_cast<T*>(p.out) + out_offsets[row]; };
-  for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
-    const int row = idx / kHeadDim, d = idx % kHeadDim;
-    const float* factors = row_factors + row * (C::kTokenWarps + 2);
-    const int live_mask = live_warps[row];
-    float o = 0.f;
+      // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
+      const float norm = v_scale / l;
 #pragma unroll
-    for (int w = 0; w < C::kTokenWarps; ++w)
-      if (live_mask >> w & 1) o += factors[w] * merge_out[(w * C::kMaxRows + row) * kHeadDim + d];
-    // with rotation the rows are rotated back below (the merge is linear in them); this element's
-    // token-warp-0 slot was read above by this thread only, so it can hold the value
-    if (p.num_splits > 1) {
-      if (p.hadamard) merge_out[row * kHeadDim + d] = o;
-      else p.partial_out[out_offsets[row] * kHeadDim + d] = o;
-      continue;
+      for (int k = 0; k < 8; ++k) o[k] = l == 0.f ? 0.f : o[k] * norm;
     }
-    // l == 0: no visible key and no sink -> 0; a NaN l (a NaN score) must stay NaN, so no "l > 0"
-    const float value = factors[C::kTokenWarps + 1] == 0.f ? 0.f : o * factors[C::kTokenWarps];
-    if (p.hadamard) {
-      merge_out[row * kHeadDim + d] = value;
-      continue;
+    if (p.hadamard) {  // rotated back below (the merge is linear in the rows); this thread alone read
+      // these elements of token warp 0's slot, so it can hold them
+      float4* dst = reinterpret_cast<float4*>(merge_out + row * kHeadDim + d0);
+      dst[0] = make_float4(o[0], o[1], o[2], o[3]), dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    } else if (p.num_splits > 1) {
+      float4* dst = reinterpret_cast<float4*>(p.partial_out + partial_row(row, head) * kHeadDim + d0);
+      dst[0] = make_float4(o[0], o[1], o[2], o[3]), dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row_offset(row, p.out_stride_token, p.out_stride_head) + d0) =
+          make_uint4(pack2(o[0], o[1], T()), pack2(o[2], o[3], T()), pack2(o[4], o[5], T()), pack2(o[6], o[7], T()));
     }
-    store(out_row(row) + d, value);
   }
   if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
     fwht_rows<kHeadDim>(merge_out, rows);
@@ -821,9 +811,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
       const float value = merge_out[row * kHeadDim + d] * p.hadamard_scale;
       if (p.num_splits > 1) {
-        p.partial_out[out_offsets[row] * kHeadDim + d] = value;
+        p.partial_out[partial_row(row, row / head_rows) * kHeadDim + d] = value;
       } else {
-        store(out_row(row) + d, value);
+        store(static_cast<T*>(p.out) + row_offset(row, p.out_stride_token, p.out_stride_head) + d, value);
       }
     }
   }

@@ -46,6 +46,17 @@ def _check_tensor(name: str, t, dtypes, dim: int | None = None, device: torch.de
         raise ValueError(f"{name} is on {t.device}, expected {device} (the cache's device)")
 
 
+def _check_rows_aligned(name: str, t: torch.Tensor) -> None:
+    """The decode kernel reads query rows and writes output rows in 16-byte pieces."""
+    misaligned = [f"stride({i})" for i in range(t.dim() - 1) if t.shape[i] > 1 and t.stride(i) * t.element_size() % 16]
+    if t.data_ptr() % 16:
+        misaligned.insert(0, "data pointer")
+    if misaligned:
+        raise ValueError(f"{name} rows must be 16-byte aligned (data pointer and token / head strides multiples of 16 "
+                         f"bytes), got {', '.join(misaligned)} off (strides {t.stride()}, storage offset "
+                         f"{t.storage_offset()})")
+
+
 def _host_checks() -> bool:
     """Value checks that read tensor contents run eagerly only: under torch.compile they would be
     data-dependent, and on a GPU they would synchronize (and break CUDA-graph capture)."""
@@ -317,6 +328,11 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         _check_tensor("out", out, (q.dtype,), 3, dev)
         if out.shape != q.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
+    if _host_checks():  # under torch.compile the binding checks the same
+        for name, t in (("q", q), ("out", out)):
+            _check_rows_aligned(name, t)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
     if plan is None:

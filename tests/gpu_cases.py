@@ -11,6 +11,12 @@ from nvfp4_backend import PagedKVCache, format as fmt
 LAYOUTS = ("NHD", "HND", "inline_hnd", "inline_nhd", "token_rows")
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """Same values, starting one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    return buf[1:1 + t.numel()].view(t.shape).copy_(t)
+
+
 def make_cache(layout: str, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, device) -> PagedKVCache:
     """An empty cache in one of the engines' layouts (all views of freshly allocated memory)."""
     if layout in ("NHD", "HND"):

@@ -14,7 +14,7 @@ import torch
 
 from nvfp4_backend import format as fmt, fuzz, jit, ops, reference
 from nvfp4_backend.layout import KVMode, PagedKVCache
-from gpu_cases import LAYOUTS, bad_values_case, fill_random, make_batch, make_cache, rel_l2
+from gpu_cases import LAYOUTS, bad_values_case, fill_random, make_batch, make_cache, misaligned, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -346,6 +346,7 @@ def test_binding_rejects_bad_arguments(gen):
         (q32, 1, workspace, 1, 1, "q must be float16 or bfloat16, got Float"),
         (batch.q.cpu(), 1, workspace, 1, 1, "q must be a CUDA tensor, got cpu"),
         (batch.q, 1, workspace, 1, 3, "heads_per_block must be 1, 2 or 4, got 3"),
+        (misaligned(batch.q), 1, workspace, 1, 1, r"q rows must be 16-byte aligned .*got strides \[1024, 128, 1\]"),
         (batch.q, 1, workspace, 1, 4, "heads_per_block 4 needs max_query_len 1 and heads_per_block \\* group_size <= 8, "
                                       "got max_query_len 1 and group_size 4"),
         (batch.q, 1, workspace, 2, 2, "heads_per_block 2 needs max_query_len 1 .*got max_query_len 2 and group_size 4")]
@@ -357,6 +358,12 @@ def test_binding_rejects_bad_arguments(gen):
                                     "none", heads_per_block)
         torch.cuda.synchronize()
         assert out.isnan().all(), "out was written although the call was rejected"
+    out = misaligned(torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=DEV))
+    with pytest.raises(RuntimeError, match="out rows must be 16-byte aligned"):
+        kernels.paged_attention(out, batch.q, *cache.tensors(), batch.block_table, batch.seq_lens,
+                                batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, 1, 1, workspace, "none", 1)
+    torch.cuda.synchronize()
+    assert out.isnan().all(), "out was written although the call was rejected"
     before = [t.clone() for t in cache.tensors()]
     k = torch.randn(3, 2, 128, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(RuntimeError, match='scale_rule must be "6" or "6or4", got 7'):

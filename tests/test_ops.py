@@ -9,10 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_cases import misaligned
 from nvfp4_backend import PagedKVCache, jit, ops, reference
 from nvfp4_backend import format as fmt
 
 META = torch.device("meta")   # stands in for "some other device" on a CPU-only machine
+
+
+def wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """Same values, each row padded by 4 elements: a head stride that is no multiple of 16 bytes."""
+    wide = torch.empty(*t.shape[:-1], t.shape[-1] + 4, dtype=t.dtype, device=t.device)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
 
 
 def noncontig(t: torch.Tensor) -> torch.Tensor:
@@ -341,6 +349,8 @@ ATTN_BAD = {
     "q_heads_not_multiple": (lambda a: a.update(q=a["q"][:, :7]), ValueError, "q"),
     "q_stride": (lambda a: a.update(q=noncontig(a["q"])), ValueError, "q"),
     "q_meta": (lambda a: a.update(q=a["q"].to(META)), ValueError, "q"),
+    "q_misaligned": (lambda a: a.update(q=misaligned(a["q"])), ValueError, "q rows must be 16-byte aligned"),
+    "q_head_stride": (lambda a: a.update(q=wide_rows(a["q"])), ValueError, r"q rows .*stride\(1\)"),
     "block_table_int64": (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
     "block_table_1d": (lambda a: a.update(block_table=a["block_table"][0]), ValueError, "block_table"),
     "block_table_stride": (lambda a: a.update(block_table=noncontig(a["block_table"])), ValueError, "block_table"),
@@ -372,6 +382,7 @@ ATTN_BAD = {
     "out_dtype": (lambda a: a.update(out=torch.empty_like(a["q"], dtype=torch.bfloat16)), TypeError, "out"),
     "out_shape": (lambda a: a.update(out=torch.empty_like(a["q"])[:-1]), ValueError, "out"),
     "out_meta": (lambda a: a.update(out=torch.empty_like(a["q"], device=META)), ValueError, "out"),
+    "out_misaligned": (lambda a: a.update(out=misaligned(a["out"])), ValueError, "out rows must be 16-byte aligned"),
     "workspace_small": (lambda a: a.update(plan=ops.AttentionPlan(2, 1024),
                                            workspace=torch.empty(16, dtype=torch.uint8)), ValueError, "workspace"),
     "plan_no_splits": (lambda a: a.update(plan=ops.AttentionPlan(0, 0)), ValueError, "num_splits"),
