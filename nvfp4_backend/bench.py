@@ -172,7 +172,8 @@ class UniformBatch:
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
-                                  self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None)
+                                  self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
+                                  token_major=cache.token_major)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,

@@ -110,6 +110,12 @@ class PagedKVCache:
         return self.k_data.shape[3] * fmt.FP4_PER_BYTE
 
     @property
+    def token_major(self) -> bool:
+        """Whether a token's kv heads lie side by side in memory (NHD pages, SGLang's token rows, any
+        page of one token), not a head's tokens (HND pages of more than one token)."""
+        return self.k_data.stride(2) == self.k_data.shape[3]
+
+    @property
     def device(self) -> torch.device:
         return self.k_data.device
 

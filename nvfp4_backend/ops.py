@@ -247,12 +247,18 @@ def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads
 
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
-                   heads_per_block: int | None = None) -> AttentionPlan:
+                   heads_per_block: int | None = None, token_major: bool = False) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
     ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
+    ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
+    NHD pages, SGLang's token rows).  A grid that would split then packs 2 kv heads per block where
+    they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
+    reads at once.  On an H200 (D 128, group 4, 8 kv heads, NHD pages of 16;
+    results/h200-2026-11-30-495a8df): 1 x 131072 80.0 -> 67.4 us, 8 x 32768 121.5 -> 115.9,
+    16 x 16384 118.0 -> 114.8, 32 x 8192 117.3 -> 116.2; head-major pages lose 1-6 % by packing there.
     """
     from . import jit
     if not (isinstance(num_sms, int) and num_sms > 0):
@@ -263,10 +269,14 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     slots = _blocks_per_sm(rows, head_dim) * num_sms  # one wave of blocks
+    splits_for = lambda hpb: max(1, min(slots // max(_thread_blocks(batch_size, num_kv_heads, hpb), 1),  # noqa: E731
+                                         math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if heads_per_block is None:
         heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, slots)
-    blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
-    splits = max(1, min(slots // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+        if (token_major and heads_per_block == 1 and num_kv_heads > 1 and head_dim <= 128
+                and heads_per_block_allowed(group_size, max_query_len, 2) and splits_for(1) > 1):
+            heads_per_block = 2
+    splits = splits_for(heads_per_block)
     if splits == 1:
         return AttentionPlan(1, 0, heads_per_block)
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
@@ -338,7 +348,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if plan is None:
         max_seq_len = int(seq_lens.max()) if batch else 0
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
-                              max_seq_len, cache.head_dim, num_sms(dev))
+                              max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major)
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
     if max_query_len > 0:  # no query rows at all: nothing runs, whatever the plan

@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--combos", default="HND/HND,HND/NHD,NHD/HND,NHD/NHD", help="data/scales layouts")
     ap.add_argument("--pad-heads", default="0", help="NHD rows padded by these many heads' bytes (a probe of strides)")
     ap.add_argument("--once", action="store_true", help="one eager call per variant, no timing (for ncu)")
@@ -40,12 +41,12 @@ def main() -> None:
             caches = {}
             for layout in ["HND"] + [f"NHD+{pad}" if int(pad) else "NHD" for pad in args.pad_heads.split(",")]:
                 pad = int(layout.partition("+")[2] or 0)
-                shape = types.SimpleNamespace(q_heads=args.q_heads, kv_heads=args.kv_heads + pad, head_dim=128,
+                shape = types.SimpleNamespace(q_heads=args.q_heads, kv_heads=args.kv_heads + pad, head_dim=args.head_dim,
                                               layout=layout[:3])
                 batch = bench.uniform_batch(B, L, page_size, shape, dev, gen)
                 c = batch.cache  # the first kv_heads heads of each padded row
                 caches[layout] = PagedKVCache(*(t[:, :, :args.kv_heads] for t in c.tensors()))
-            q = torch.randn(B, args.q_heads, 128, dtype=torch.bfloat16, device=dev, generator=gen)
+            q = torch.randn(B, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
             for combo in args.combos.split(","):
                 data, scales = combo.split("/")
                 if data not in caches or scales not in caches:

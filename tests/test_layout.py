@@ -136,6 +136,15 @@ def test_hnd_and_token_row_placement(page_size, gen):
         assert torch.equal(view[slot // page_size, slot % page_size], r)   # slot s = page s//ps, token s%ps
 
 
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_token_major(name, page_size):
+    """A token's kv heads side by side: token-major layouts at every page size, head-major ones only
+    with one token per page (where their bytes are the same)."""
+    cache, _ = make_layout(name, 4, page_size, 3, 128)
+    assert cache.token_major == (name in ("NHD", "inline_token_major", "token_rows") or page_size == 1)
+
+
 def test_token_rows_accept_fp8_scale_tensors(gen):
     rows = [torch.randint(0, 256, (32, 2, n), dtype=torch.uint8, generator=gen) for n in (32, 4, 32, 4)]
     fp8 = [r.view(torch.float8_e4m3fn) if i % 2 else r for i, r in enumerate(rows)]

@@ -223,6 +223,23 @@ def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads
                 assert cost(more) > cost(hb)
 
 
+@pytest.mark.parametrize("batch, seq_len", [(1, 131072), (8, 32768), (32, 8192), (16, 16384), (64, 8192),
+                                            (128, 512), (256, 2048), (3, 100)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (8, 2, 64), (8, 8, 128), (8, 4, 256), (1, 4, 128)])
+def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, group, head_dim):
+    """A token-major cache packs 2 kv heads per block wherever the head-major plan splits with one
+    head per block and 2 fit (D <= 128, more than one kv head); elsewhere both plans are the same."""
+    head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim)
+    token_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True)
+    packs = (head_major.num_splits > 1 and head_major.heads_per_block == 1 and kv_heads > 1 and head_dim <= 128
+             and ops.heads_per_block_allowed(group, 1, 2))
+    if packs:
+        assert token_major.heads_per_block == 2
+        assert token_major == ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, heads_per_block=2)
+    else:
+        assert token_major == head_major
+
+
 @pytest.mark.parametrize("q_len, head_dim, per_sm", [(1, 128, 4), (2, 128, 4), (3, 128, 3), (4, 64, 4), (4, 128, 3),
                                                      (8, 128, 2), (2, 256, 2), (4, 256, 2)])
 def test_plan_attention_split_target_per_kernel(q_len, head_dim, per_sm):
