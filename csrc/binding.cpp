@@ -49,10 +49,11 @@ nvfp4::PageStrides strides_of(const Tensor& t) { return {t.stride(0), t.stride(1
 
 // The decode kernel reads query rows and writes output rows ([tokens, heads, D]) in 16-byte pieces.
 void check_rows_aligned(const Tensor& t, const char* name) {
-  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  const int64_t pointer_offset = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;
+  bool aligned = pointer_offset == 0;
   for (int d = 0; d < 2; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) * t.element_size() % 16 == 0);
   CHECK_ARG(aligned, name, " rows must be 16-byte aligned (data pointer and token / head strides multiples of 16 bytes), "
-            "got strides ", t.strides());
+            "got a data pointer ", pointer_offset, " bytes past a 16-byte boundary and strides ", t.strides());
 }
 
 void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,

@@ -254,7 +254,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
     ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
-    NHD pages, SGLang's token rows).  A grid that would split then packs 2 kv heads per block where
+    NHD pages, SGLang's token rows; ``paged_attention``'s own plan and the SGLang plugin pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
     reads at once.  On an H200 (D 128, group 4, 8 kv heads, NHD pages of 16;
     results/h200-2026-11-30-495a8df): 1 x 131072 80.0 -> 67.4 us, 8 x 32768 121.5 -> 115.9,
@@ -340,8 +340,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
             raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
         if out.stride(-1) != 1:
             raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
-    if _host_checks():  # under torch.compile the binding checks the same
-        for name, t in (("q", q), ("out", out)):
+    if _host_checks():  # on every path, so the rule does not depend on the device; under
+        for name, t in (("q", q), ("out", out)):  # torch.compile the binding checks the kernel's inputs
             _check_rows_aligned(name, t)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0

@@ -346,7 +346,8 @@ def test_binding_rejects_bad_arguments(gen):
         (q32, 1, workspace, 1, 1, "q must be float16 or bfloat16, got Float"),
         (batch.q.cpu(), 1, workspace, 1, 1, "q must be a CUDA tensor, got cpu"),
         (batch.q, 1, workspace, 1, 3, "heads_per_block must be 1, 2 or 4, got 3"),
-        (misaligned(batch.q), 1, workspace, 1, 1, r"q rows must be 16-byte aligned .*got strides \[1024, 128, 1\]"),
+        (misaligned(batch.q), 1, workspace, 1, 1,
+         r"q rows must be 16-byte aligned .*got a data pointer 2 bytes past a 16-byte boundary and strides \[1024, 128, 1\]"),
         (batch.q, 1, workspace, 1, 4, "heads_per_block 4 needs max_query_len 1 and heads_per_block \\* group_size <= 8, "
                                       "got max_query_len 1 and group_size 4"),
         (batch.q, 1, workspace, 2, 2, "heads_per_block 2 needs max_query_len 1 .*got max_query_len 2 and group_size 4")]

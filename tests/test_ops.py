@@ -240,6 +240,17 @@ def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, 
         assert token_major == head_major
 
 
+@pytest.mark.parametrize("layout, token_major", [("NHD", True), ("HND", False)])
+def test_paged_attention_plans_for_the_cache_layout(layout, token_major, step, monkeypatch):
+    """Without a plan, paged_attention plans for its cache's layout."""
+    seen, plan = [], ops.plan_attention
+    monkeypatch.setattr(ops, "plan_attention", lambda *a, **k: seen.append(k.get("token_major")) or plan(*a, **k))
+    cache = PagedKVCache.allocate(step.num_pages, step.page_size, step.num_kv_heads, step.head_dim, layout)
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
+    ops.paged_attention(**_attn_args(step, cache))
+    assert seen == [token_major]
+
+
 @pytest.mark.parametrize("q_len, head_dim, per_sm", [(1, 128, 4), (2, 128, 4), (3, 128, 3), (4, 64, 4), (4, 128, 3),
                                                      (8, 128, 2), (2, 256, 2), (4, 256, 2)])
 def test_plan_attention_split_target_per_kernel(q_len, head_dim, per_sm):
