@@ -254,7 +254,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
     ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
-    NHD pages, SGLang's token rows; ``paged_attention``'s own plan and the SGLang plugin pass it).  A grid that would split then packs 2 kv heads per block where
+    NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
     reads at once.  On an H200 (D 128, group 4, 8 kv heads, NHD pages of 16;
     results/h200-2026-11-30-495a8df): 1 x 131072 80.0 -> 67.4 us, 8 x 32768 121.5 -> 115.9,

@@ -180,6 +180,9 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
                                f"({unavailable_reason(torch.cuda.get_device_capability(device))}); full CUDA "
                                f"graphs need them: fix the build or run with --enforce-eager")
         self.num_sms = ops.num_sms(device)
+        # The layout the engine core resolved (unset in tools and tests: then our first choice, head-major).
+        layout = vllm_config.cache_config.kv_cache_layout
+        self.token_major = layout is not None and KVCacheLayout[layout] in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
         # NOTE: one workspace for every step and every captured graph, sized for the worst plan
         # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
         # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
@@ -204,7 +207,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         if not decode_supports(self.group_size, max_query_len, self.head_size):
             return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
         return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                  self.head_size, self.num_sms)
+                                  self.head_size, self.num_sms, token_major=self.token_major)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:

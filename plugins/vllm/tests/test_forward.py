@@ -277,6 +277,21 @@ def test_other_head_sizes_and_groups(make_config, head_size, num_heads, num_kv_h
     check_step(r, layer)
 
 
+@pytest.mark.parametrize("layout, token_major", [(None, False), ("LBHNC", False), ("BLHNC", False),
+                                                 ("LBNHC", True), ("BLNHC", True)])
+def test_builder_plans_for_the_resolved_layout(make_config, layout, token_major):
+    """The builder plans for the layout vLLM's engine core resolved (token-major pages pack kv heads
+    where a grid splits); unresolved, for head-major pages, the backend's first choice."""
+    from nvfp4_backend import ops
+    config = make_config()
+    config.cache_config.kv_cache_layout = layout
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    assert builder._plan(1, 1, 131072) == ops.plan_attention(1, 2, 4, 1, 131072, 128, token_major=token_major)
+    assert (builder._plan(1, 1, 131072).heads_per_block == 2) == token_major
+
+
 def test_builder_splits_mixed_batch(make_config):
     from nvfp4_backend import ops
     config = make_config()
