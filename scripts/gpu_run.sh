@@ -82,7 +82,11 @@ case $mode in
        # in one call the order alone moves a result 1-3 %, so alternate and compare rounds.
        # AB_CLOCKS=<loads of scripts/clock_under_load.py>: also the clock, power and sustained time of
        # each build (the decode runs at the card's power cap: a variant that draws less is faster there)
-    abbench() { python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
+       # AB_CMD=<command>: run it for each build instead of the benchmark (from the build's folder, with
+       # its PYTHONPATH; the tree's scripts are under $REPO), its output lines prefixed by the build's name,
+       # e.g. AB_CMD='python3 $REPO/scripts/nhd_probe.py --combos HND/HND,NHD/NHD'
+    abbench() { if [ -n "$AB_CMD" ]; then eval "$AB_CMD" 2>&1 | grep -v "^\[nvfp4-backend\]" | sed "s/^/[$1] /"; return; fi
+                python3 -m nvfp4_backend.cli bench --no-peers --page-sizes 16 --plot /dev/null \
                   --grid ${AB_GRID:-64x8192,256x2048,1x131072,128x512} ${AB_ARGS:---spec-q-len 4} --out "$OUT/ab_$1.json" 2>&1 \
                   | grep "^B=\|^write_kv" | sed "s/^/[$1] /"
                 [ -z "$AB_CLOCKS" ] || {  # an exported revision gets the tree's script
