@@ -269,8 +269,11 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     slots = _blocks_per_sm(rows, head_dim) * num_sms  # one wave of blocks
-    splits_for = lambda hpb: max(1, min(slots // max(_thread_blocks(batch_size, num_kv_heads, hpb), 1),  # noqa: E731
-                                         math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+
+    def splits_for(heads_per_block: int) -> int:
+        blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
+        return max(1, min(slots // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+
     if heads_per_block is None:
         heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, slots)
         if (token_major and heads_per_block == 1 and num_kv_heads > 1 and head_dim <= 128
