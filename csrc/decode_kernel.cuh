@@ -297,7 +297,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // they had queued behind each other at the kernel's start (12 % of the warp-stall samples at 128 x 512).
   auto q_element = [&](int s, int half) { return c * (kHeadDim / 4) + 8 * (s >> 1) + pair_element((s & 1) * 2 + half); };
   constexpr int kQPieces = kHeadDim / 32;  // piece m: elements 8m .. 8m + 7 of the thread's D/4, k-steps 2m, 2m + 1
-  uint4 q_raw[kRowTiles][kQPieces];
+  uint4 q_raw[kRowTiles][kQPieces] = {};  // zeros in KV mode "hadamard", whose operands come from q_rot
   if (!p.hadamard) {
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t) {
@@ -780,8 +780,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       o[0] += f * lo.x, o[1] += f * lo.y, o[2] += f * lo.z, o[3] += f * lo.w;
       o[4] += f * hi.x, o[5] += f * hi.y, o[6] += f * hi.z, o[7] += f * hi.w;
     }
+    const int64_t part_row = p.num_splits > 1 ? partial_row(row, head) : 0;
     if (p.num_splits > 1) {  // the partial rows stay unnormalized
-      const int64_t part_row = partial_row(row, head);
       if (d0 == 0) p.partial_max[part_row] = m, p.partial_sum[part_row] = l;
     } else {
       if (p.sinks != nullptr) {
@@ -797,13 +797,15 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) o[k] = l == 0.f ? 0.f : o[k] * norm;
     }
+    auto store8 = [&](float* dst) {  // 32 bytes, 16-byte aligned
+      reinterpret_cast<float4*>(dst)[0] = make_float4(o[0], o[1], o[2], o[3]);
+      reinterpret_cast<float4*>(dst)[1] = make_float4(o[4], o[5], o[6], o[7]);
+    };
     if (p.hadamard) {  // rotated back below (the merge is linear in the rows); this thread alone read
       // these elements of token warp 0's slot, so it can hold them
-      float4* dst = reinterpret_cast<float4*>(merge_out + row * kHeadDim + d0);
-      dst[0] = make_float4(o[0], o[1], o[2], o[3]), dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+      store8(merge_out + row * kHeadDim + d0);
     } else if (p.num_splits > 1) {
-      float4* dst = reinterpret_cast<float4*>(p.partial_out + partial_row(row, head) * kHeadDim + d0);
-      dst[0] = make_float4(o[0], o[1], o[2], o[3]), dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+      store8(p.partial_out + part_row * kHeadDim + d0);
     } else {
       *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row_offset(row, p.out_stride_token, p.out_stride_head) + d0) =
           make_uint4(pack2(o[0], o[1], T()), pack2(o[2], o[3], T()), pack2(o[4], o[5], T()), pack2(o[6], o[7], T()));

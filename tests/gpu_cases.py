@@ -50,11 +50,13 @@ class Batch:
 
 def make_batch(seq_lens: list[int], q_lens: list[int], num_q_heads: int, head_dim: int, page_size: int,
                num_pages: int, dtype, gen: torch.Generator, device) -> Batch:
-    """Ragged requests whose pages are a random permutation of the cache (page 0 held back)."""
+    """Ragged requests whose pages are a random permutation of the cache (page 0 held back).  Table
+    entries past a request's pages hold an index far past the cache, so a kernel that copied from one
+    would fault instead of reading some other page."""
     pages_needed = [math.ceil(s / page_size) for s in seq_lens]
     width = max(max(pages_needed), 1)
     perm = torch.randperm(num_pages - 1, generator=gen, device="cpu")[: sum(pages_needed)] + 1
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    table = torch.full((len(seq_lens), width), 2**31 - 1, dtype=torch.int32)
     at = 0
     for b, n in enumerate(pages_needed):
         table[b, :n] = perm[at:at + n].to(torch.int32)
