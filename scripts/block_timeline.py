@@ -6,7 +6,7 @@ per-block clocks, read back through ctypes.
     python3 scripts/block_timeline.py 16x8192/1,32x8192/1    # /1: one block per (request, kv head), unsplit
 
 Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16,
-q_len 1.  After a warm-up, --mode loop runs 10 calls back to back and reads the last call's blocks;
+q_len 1 (--q-len, --layout to change them).  After a warm-up, --mode loop runs 10 calls back to back and reads the last call's blocks;
 evict runs one call after the benchmark's L2-evicting read (its back-to-back timing); idle runs one
 call on an idle GPU after a synchronize (its isolated timing).
 Per block the patch records the global timer at start and end (ns, one clock for all SMs) and the
@@ -41,19 +41,22 @@ def main() -> None:
     ap.add_argument("cases")
     ap.add_argument("--out", default="timeline.json")
     ap.add_argument("--mode", choices=("loop", "evict", "idle"), default="loop")
+    ap.add_argument("--q-len", type=int, default=1, help="query tokens per request")
+    ap.add_argument("--layout", default="HND", help="cache layout (format.LAYOUTS)")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     jit.load(dev)
     lib = probe_library()
-    shape = types.SimpleNamespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
+    shape = types.SimpleNamespace(q_heads=32, kv_heads=8, head_dim=128, layout=args.layout)
     report = {}
     for case in args.cases.split(","):
         grid, _, forced = case.partition("/")
         B, L = map(int, grid.split("x"))
         batch = bench.uniform_batch(B, L, 16, shape, dev, gen)
-        q = torch.randn(B, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
-        call, _, plan, _ = batch.attention(q, 1)
+        q = torch.randn(B * args.q_len, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
+        call, _, plan, _ = batch.attention(q, args.q_len)
         if forced:
+            assert args.q_len == 1, "/1 is for q_len 1"
             assert forced == "1", "only /1 (no split) is supported"
             plan = ops.AttentionPlan(num_splits=1, workspace_bytes=0, heads_per_block=1)
             wsp, out = plan.allocate_workspace(dev), torch.empty_like(q)
@@ -83,7 +86,7 @@ def main() -> None:
         ghz = float(((c3 - c0) / (g1 - g0)).median())  # cycles per ns
         span = float(g1.max() - t0) / 1e3
         dur = (g1 - g0) / 1e3
-        nsm = int(rows[:, 6].max()) + 1
+        nsm = torch.cuda.get_device_properties(dev).multi_processor_count
         per_sm = torch.zeros(nsm, dtype=torch.float64).index_add_(0, rows[:, 6].long(), dur)
         ends_sm = torch.zeros(nsm, dtype=torch.float64).index_reduce_(0, rows[:, 6].long(), (g1 - t0) / 1e3, "amax")
         r = dict(
@@ -95,12 +98,12 @@ def main() -> None:
             epilogue_us=quantiles(((c3 - c2) / ghz / 1e3).tolist()),
             block_us=quantiles(dur.tolist()),
             sm_busy_us=quantiles(per_sm[per_sm > 0].tolist()), sm_last_end_us=quantiles(ends_sm[ends_sm > 0].tolist()),
-            slot_utilization=round(float(dur.sum()) / (4 * 132 * span), 3),
+            resident_per_sm=round(float(dur.sum()) / (nsm * span), 2),  # blocks per SM, averaged over the span
             # g_start, g_end (ns), c_start, c_first, c_loop, c_end (cycles), smid, tiles
             per_block=rows.tolist() if len(rows) <= 2048 else None)
         report[case] = r
         print(f"{case:>9} blocks {r['blocks']:5d} splits {r['splits']} span {r['span_us']:7.1f} us  clock {ghz:.2f} GHz  "
-              f"util {r['slot_utilization']:.3f}")
+              f"resident blocks per SM {r['resident_per_sm']:.2f}")
         for k in ("start_us", "first_data_us", "loop_us", "epilogue_us", "block_us", "end_us", "sm_busy_us", "sm_last_end_us"):
             print(f"{'':>11}{k:15s} min/p10/p50/p90/max {r[k]}")
     with open(args.out, "w") as f:
