@@ -797,7 +797,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) o[k] = l == 0.f ? 0.f : o[k] * norm;
     }
-    auto store8 = [&](float* dst) {  // 32 bytes, 16-byte aligned
+    // two float4 stores: d0 is a multiple of 8, and the rows of merge_out and partial_out start 16-byte
+    // aligned (the binding checks the workspace's alignment)
+    auto store8 = [&](float* dst) {
       reinterpret_cast<float4*>(dst)[0] = make_float4(o[0], o[1], o[2], o[3]);
       reinterpret_cast<float4*>(dst)[1] = make_float4(o[4], o[5], o[6], o[7]);
     };
