@@ -87,18 +87,17 @@ def main() -> None:
         rows[:, 2:6] -= rows[:, 2:3].clone()
         rows = rows.double()
         g0, g1, c0, c1, c2, c3 = (rows[:, i] for i in range(6))  # c0 is 0: cycles since the block's start
-        t0 = 0.0
         ghz = float(((c3 - c0) / (g1 - g0)).median())  # cycles per ns
-        span = float(g1.max() - t0) / 1e3
+        span = float(g1.max()) / 1e3
         dur = (g1 - g0) / 1e3
         nsm = torch.cuda.get_device_properties(dev).multi_processor_count
         sm = rows[:, 6].long()
         per_sm = torch.zeros(nsm, dtype=torch.float64).index_add_(0, sm, dur)
-        ends_sm = torch.zeros(nsm, dtype=torch.float64).scatter_reduce_(0, sm, (g1 - t0) / 1e3, "amax")
+        ends_sm = torch.zeros(nsm, dtype=torch.float64).scatter_reduce_(0, sm, g1 / 1e3, "amax")
         r = dict(
-            blocks=len(rows), splits=plan.num_splits, heads_per_block=getattr(plan, "heads_per_block", None),
+            blocks=len(rows), splits=plan.num_splits, heads_per_block=plan.heads_per_block,
             span_us=round(span, 2), clock_ghz=round(ghz, 3),
-            start_us=quantiles(((g0 - t0) / 1e3).tolist()), end_us=quantiles(((g1 - t0) / 1e3).tolist()),
+            start_us=quantiles((g0 / 1e3).tolist()), end_us=quantiles((g1 / 1e3).tolist()),
             first_data_us=quantiles(((c1 - c0) / ghz / 1e3).tolist()),
             loop_us=quantiles(((c2 - c1) / ghz / 1e3).tolist()),
             epilogue_us=quantiles(((c3 - c2) / ghz / 1e3).tolist()),
