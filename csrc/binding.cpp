@@ -221,7 +221,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
                      const Tensor& query_start_loc, const Tensor& k_global, const Tensor& v_global,
                      double softmax_scale, int64_t sliding_window, double logits_soft_cap,
                      const std::optional<Tensor>& sinks, int64_t max_query_len, int64_t num_splits, Tensor& workspace,
-                     c10::string_view rotation, int64_t heads_per_block) {
+                     c10::string_view rotation, int64_t heads_per_block, bool fused) {
   CHECK_CUDA(q);
   const c10::cuda::CUDAGuard guard(q.device());
   check_cache(k_data, k_sf, v_data, v_sf, q.device());
@@ -239,12 +239,18 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
               "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
   CHECK_ARG(num_splits >= 1 && num_splits <= nvfp4::kMaxSplits, "num_splits must lie in [1, ", nvfp4::kMaxSplits,
               "], got ", num_splits);
-  CHECK_ARG(heads_per_block == 1 || heads_per_block == 2 || heads_per_block == 4,
-              "heads_per_block must be 1, 2 or 4, got ", heads_per_block);
-  const int heads_per_block_log2 = heads_per_block == 4 ? 2 : heads_per_block == 2 ? 1 : 0;
-  CHECK_ARG(nvfp4::decode_heads_per_block_ok(heads_per_block_log2, max_rows, group),
+  CHECK_ARG(heads_per_block == 1 || heads_per_block == 2 || heads_per_block == 4 || (fused && heads_per_block == 8),
+              "heads_per_block must be 1, 2 or 4 (or 8 with fused), got ", heads_per_block);
+  const int heads_per_block_log2 = heads_per_block == 8 ? 3 : heads_per_block == 4 ? 2 : heads_per_block == 2 ? 1 : 0;
+  if (fused) {
+    CHECK_ARG(nvfp4::decode_fused_ok(heads_per_block_log2, max_rows, head_dim), "fused needs head_dim 64 or 128 and ",
+              "max_query_len * group_size <= 16 (heads_per_block <= 8 up to 8 rows, <= 4 up to 16), got head_dim ",
+              head_dim, ", ", max_rows, " rows and heads_per_block ", heads_per_block);
+  } else {
+    CHECK_ARG(nvfp4::decode_heads_per_block_ok(heads_per_block_log2, max_rows, group),
               "heads_per_block ", heads_per_block, " needs max_query_len 1 and heads_per_block * group_size <= 8, got ",
               "max_query_len ", max_query_len, " and group_size ", group);
+  }
   const int64_t partial_floats = batch * num_kv_heads * num_splits * max_rows;
   if (num_splits > 1) {
     CHECK_ARG(workspace.numel() >= partial_floats * (head_dim + 2) * 4, "workspace too small: ",
@@ -282,6 +288,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   p.num_splits = num_splits;
   p.max_rows = max_rows;
   p.heads_per_block_log2 = heads_per_block_log2;
+  p.fused_warps = fused ? nvfp4::decode_fused_warps(max_rows) : 0;
   p.dtype = query_type(q, "q");
   if (batch == 0) return;
   const cudaError_t err = nvfp4::launch_paged_decode(p, c10::cuda::getCurrentCUDAStream(q.device().index()));
@@ -300,7 +307,7 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
         "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
-        "str rotation, int heads_per_block=1) -> ()");
+        "str rotation, int heads_per_block=1, bool fused=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {

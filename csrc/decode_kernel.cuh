@@ -36,9 +36,6 @@
 namespace nvfp4 {
 namespace decode {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTileTokens = 64;          // tokens per pipeline stage
 constexpr int kStages = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
@@ -164,8 +161,18 @@ __device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
 __device__ __forceinline__ constexpr int pair_element(int j) { return j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3; }
 
 // ------------------------------------------------------------------ configuration
-template <int kHeadDim, int kRowTiles, int kRowWarps>
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+template <int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps = 0>
 struct Config {
+  // kFusedWarps > 0: the fused kernel (one row warp, two stages per step): that many warps per block,
+  // warp w on the block's kv head w % heads, the rank w / heads of its head's warps_per_head, taking its
+  // head's 32-token steps rank, rank + warps_per_head, ...; a warp holds its own head's rows.
+  // 0: 4 warps, each on every 4th 16-token sub-tile of one kv head (or packed heads' shares)
+  static constexpr bool kFused = kFusedWarps > 0;
+  static constexpr int kWarps = kFused ? kFusedWarps : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTileTokens = 16 * kWarps;  // tokens per pipeline stage: 16 per warp
+  static constexpr int kMaxHeads = kFused ? 8 / kRowTiles : 4;  // kv heads per block
   static constexpr int kDataBytes = kHeadDim / 2;       // per token-head
   static constexpr int kScaleBytes = kHeadDim / 16;
   static constexpr int kTokenWarps = kWarps / kRowWarps;
@@ -194,7 +201,14 @@ struct Config {
   static constexpr int kPipelineBytes = kStages * kStageBytes;
   // per token warp and row: the output row, its running max and sum
   static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
-  static constexpr int kBufferBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  // KV mode "hadamard": the block's query rows (all its heads'), rotated, and its output rows before
+  // they are rotated back.  The static kernel's rows (at most kMaxRows) take token warp 0's merge slot,
+  // which only the thread merging an element reads; the fused kernel's, kMaxRows per head, follow the
+  // merge buffers
+  static constexpr int kMaxBlockRows = kFused ? kMaxRows * kMaxHeads : kMaxRows;
+  static constexpr int kRotOffset = kFused ? kMergeBytes : 0;
+  static constexpr int kRotEnd = kRotOffset + kMaxBlockRows * kHeadDim * 4;
+  static constexpr int kBufferBytes = cmax(kPipelineBytes, cmax(kMergeBytes, kRotEnd));
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
   static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
@@ -204,7 +218,7 @@ struct Config {
   // is held to 3 by its registers and shared memory either way)
   static constexpr bool kQInSmem = kRowTiles > 1 && kRowWarps <= 2;
   static constexpr int kQOffset = kLutOffset + 256 * 4;
-  static constexpr int kQBytes = kQInSmem ? kRowWarps * kRowTiles * kKSteps * 32 * 8 : 0;
+  static constexpr int kQBytes = kQInSmem ? (kFused ? kMaxHeads : kRowWarps) * kRowTiles * kKSteps * 32 * 8 : 0;
   static constexpr int kSmemBytes = kQOffset + kQBytes;
   // The kernel's launch bound (blocks per SM that its registers must allow).  Two row tiles and up to
   // two row warps: 4 (at most 128 registers, the Q operands in shared memory; no spills at hd128 on
@@ -215,7 +229,9 @@ struct Config {
   // 64 x 8192 (results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory
   // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
   // spills).  0 leaves the others to the compiler.
-  static constexpr int kMinBlocksPerSm = kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
+  // fused: the registers of the static kernel of its rows (its 4 warps' blocks per SM)
+  static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
+                                         : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
                                          : kHeadDim == 256                                     ? 2
                                                                                                : 0;
@@ -225,6 +241,8 @@ struct Config {
   static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
   static_assert(kStages % kTilesPerStep == 0, "a step's stages are consecutive in the ring, one commit group per step");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
+  static_assert(!kFused || (kRowWarps == 1 && kTilesPerStep == 2 && kWarps >= kMaxHeads),
+                "fused: a warp's own rows, 32-token steps, a warp per head at least");
   static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
 };
 
@@ -235,7 +253,7 @@ __device__ __forceinline__ int tile_token(int m) { return 4 * ((m & 7) >> 1) + (
 // Unnormalized Walsh-Hadamard transform of `rows` rows of kHeadDim floats in shared memory, in
 // place (KV mode "hadamard": x H = fwht(x) / sqrt(D)).  Every thread of the block calls it; it
 // starts and ends with a barrier.
-template <int kHeadDim>
+template <int kHeadDim, int kThreads>
 __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
   __syncthreads();
   for (int h = 1; h < kHeadDim; h *= 2) {
@@ -251,10 +269,11 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 }
 
 // ------------------------------------------------------------------ the kernel
-template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
-__global__ void __launch_bounds__(kThreads, (Config<kHeadDim, kRowTiles, kRowWarps>::kMinBlocksPerSm))
+template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps>
+__global__ void __launch_bounds__((Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kThreads),
+                                  (Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kMinBlocksPerSm))
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using C = Config<kHeadDim, kRowTiles, kRowWarps>;
+  using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, req = blockIdx.z;
@@ -271,6 +290,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // query row r: token r / row_group of the request, q head kv_base * group + r % row_group (with
   // several heads q_len is 1, so the rows are the heads' q heads in order)
   const int row_group = p.group_size << head_shift;
+  // the fused kernel: warp w streams head w % heads (so a head's warps spread over the warp
+  // schedulers alike), the warp_rank-th of its warps_per_head
+  const int warp_head = warp & ((1 << head_shift) - 1), warp_rank = warp >> head_shift;
+  const int warps_per_head = C::kWarps >> head_shift;
 
   // the request's three loads go out together (the early return for an empty request comes after
   // the query loads: before them, nvcc sank the sequence length's load below it, a second memory
@@ -281,10 +304,18 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // max_rows bounds the partial-output rows per kv head; the host sizes it from max_query_len
   const int head_rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
   const int rows = head_rows * heads_here;
-  // query row -> the element offset of its (token, head) = (row / row_group, kv_base * group + row % row_group)
-  // in q or out, given their strides
+  // the fused kernel's warps hold their own head's rows (block rows warp_row_base ..+ head_rows), and
+  // a head's row r is query token r / group_size, q head r % group_size of the kv head; the static
+  // kernel's warps hold all the block's rows, row r the token r / row_group (several heads: q_len 1)
+  const int warp_row_base = C::kFused ? warp_head * head_rows : 0;
+  auto row_token = [&](int row) { return C::kFused ? row % head_rows / p.group_size : row / row_group; };
+  auto row_q_head = [&](int row) {
+    return C::kFused ? (kv_base + row / head_rows) * p.group_size + row % head_rows % p.group_size
+                     : kv_base * p.group_size + row % row_group;
+  };
+  // query row -> the element offset of its (token, q head) in q or out, given their strides
   auto row_offset = [&](int row, int64_t stride_token, int64_t stride_head) {
-    return (int64_t)(q_start + row / row_group) * stride_token + (int64_t)(kv_base * p.group_size + row % row_group) * stride_head;
+    return (int64_t)(q_start + row_token(row)) * stride_token + (int64_t)row_q_head(row) * stride_head;
   };
 
   // ---------------- Q^T operands: row n of row-tile t is query row (row_warp, t, n); k-step s, slot
@@ -301,13 +332,14 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   if (!p.hadamard) {
 #pragma unroll
     for (int t = 0; t < kRowTiles; ++t) {
-      const int row = (row_warp * kRowTiles + t) * 8 + g;
-      const bool live = row < rows;
+      const int row = C::kFused ? warp_row_base + t * 8 + g : (row_warp * kRowTiles + t) * 8 + g;
+      const bool live = C::kFused ? t * 8 + g < head_rows && warp_head < heads_here : row < rows;
       // row_offset(live ? row : 0, ...) spelled out: that form compiles to a different prologue,
       // which has not been measured
       const uint4* qrow = reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
-          (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head + c * (kHeadDim / 4));
+          C::kFused ? static_cast<const T*>(p.q) + row_offset(live ? row : 0, p.q_stride_token, p.q_stride_head) + c * (kHeadDim / 4)
+                    : static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
+                          (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head + c * (kHeadDim / 4));
 #pragma unroll
       for (int m = 0; m < kQPieces; ++m) q_raw[t][m] = live ? load_in_order(qrow + m) : make_uint4(0u, 0u, 0u, 0u);
     }
@@ -321,7 +353,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int split_len = (kv_len + p.num_splits - 1) / p.num_splits;
   const int begin = kv_begin + split * split_len;
   const int end = min(begin + split_len, seq_len);
-  const int num_tiles = end > begin ? (end - begin + (kTileTokens >> head_shift) - 1) >> tile_shift : 0;
+  const int num_tiles = end > begin ? (end - begin + (C::kTileTokens >> head_shift) - 1) >> tile_shift : 0;
 
   // scores in log2 units: exp2(s * qk_scale_log2) == exp(s * softmax_scale * k_global * 2^7)
   const float qk_scale = p.softmax_scale * __ldg(p.k_global_scale) * kDequantBias;
@@ -335,7 +367,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // ---------------- pipeline: thread -> (token, half) of each stage; the token is one of its warp's
   // 16 of the stage, which are tokens (w & sub_mask) * 16 .. + 15 of head w >> warp_head_shift's part
   const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
-  const int load_warp = load_token >> 4, load_head = load_warp >> warp_head_shift;
+  const int load_warp = load_token >> 4, load_head = C::kFused ? warp_head : load_warp >> warp_head_shift;
   const bool load_live = load_head < heads_here;  // a block's last kv heads may be fewer
   const int load_kv_head = kv_base + (load_live ? load_head : 0);
   // the loop-invariant parts of the copies are opaque(): held in registers, where nvcc would
@@ -344,13 +376,21 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const uint32_t page_mask = opaque(static_cast<uint32_t>((1 << p.page_size_log2) - 1));
   const int* table = opaque(p.block_table + (int64_t)req * p.block_table_stride);
   const int load_pos = static_cast<int>(  // at tile 0
-      opaque(static_cast<uint32_t>(begin + (load_warp & sub_mask) * 16 + (load_token & 15))));
+      opaque(static_cast<uint32_t>(begin + (C::kFused ? 0 : (load_warp & sub_mask) * 16) + (load_token & 15))));
   const int load_end = load_live ? end : begin;  // nothing to copy for a head the block lacks
   auto pos_of = [&](int tile) { return load_pos + (tile << tile_shift); };  // this thread's token of a tile
+  // the fused kernel's step `chunk` of a head: tokens begin + 32 chunk .. + 31, 16 per stage
+  auto chunk_pos = [&](int chunk, int u) { return load_pos + (chunk << 5) + (u << 4); };
+  auto page_at = [&](int pos) -> int { return pos < load_end ? __ldg(table + (pos >> p.page_size_log2)) : -1; };
   auto page_of = [&](int tile) -> int {
     const int pos = pos_of(tile);  // pos < load_end implies tile < num_tiles (load_pos >= begin)
     return pos < load_end ? __ldg(table + (pos >> p.page_size_log2)) : -1;
   };
+  // the fused kernel: a warp's steps (32 tokens of its head each) are its head's warp_rank-th, then
+  // every warps_per_head-th
+  const int num_chunks = end > begin ? (end - begin + 31) >> 5 : 0;
+  const int warp_chunks = load_live ? num_chunks : 0;  // a head the block lacks: no steps
+  int chunk_cur = warp_rank, chunk_next = warps_per_head + warp_rank;  // this step's and the next one's
   // the thread's fixed part of each copy: its kv head, its 16 bytes of each 32-byte sector of a token's
   // K and V data, and the K (half 0) or V (half 1) block scales.  The token's two threads copy a
   // sector's two halves in one instruction: with each thread copying a contiguous half of the token
@@ -371,13 +411,14 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int step_tiles = (num_tiles + C::kTilesPerStep - 1) / C::kTilesPerStep * C::kTilesPerStep;
   // the copies of one softmax step's tiles (kTilesPerStep consecutive stages), one commit group: the
   // stages' shared offsets differ by constants, and the step's tiles are all copied or none
-  auto issue_step = [&](int first_tile, const int* pages) {  // pages: the step's kTilesPerStep page indices
-    if (first_tile < step_tiles) {
+  // (the fused kernel: the ring's stages first_tile % kStages.., the tokens of its step `chunk`)
+  auto issue_step = [&](int first_tile, int chunk, const int* pages) {  // pages: the step's kTilesPerStep page indices
+    if (C::kFused ? chunk < warp_chunks : first_tile < step_tiles) {
       const uint32_t stage = (first_tile % kStages) * C::kStageBytes;
 #pragma unroll
       for (int u = 0; u < C::kTilesPerStep; ++u) {
         const int page = pages[u];  // negative: no page, the copies write zeros
-        const uint32_t in_page = static_cast<uint32_t>(pos_of(first_tile + u)) & page_mask;
+        const uint32_t in_page = static_cast<uint32_t>(C::kFused ? chunk_pos(chunk, u) : pos_of(first_tile + u)) & page_mask;
         const uint32_t page_index = static_cast<uint32_t>(max(page, 0));  // a page to point at when there is none
         // base + in_page * token stride + page * page stride as 32 x 32 + 64-bit multiply-adds: in
         // C++, nvcc added one 64-bit offset to each base (some 15 instructions for the three sources)
@@ -401,31 +442,31 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // a chain of them); later ones load one loop iteration ahead of their copies
   int first_pages[kStages];
 #pragma unroll
-  for (int s = 0; s < kStages; ++s) first_pages[s] = page_of(s);
+  for (int s = 0; s < kStages; ++s)
+    first_pages[s] = C::kFused ? page_at(chunk_pos(s < 2 ? chunk_cur : chunk_next, s & 1)) : page_of(s);
   int next_page[C::kTilesPerStep];
 #pragma unroll
   for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = first_pages[kStages - C::kTilesPerStep + u];
   auto issue_prologue = [&] {
 #pragma unroll
     for (int s = 0; s < kStages - C::kTilesPerStep; s += C::kTilesPerStep)
-      issue_step(s, &first_pages[s]);
+      issue_step(s, chunk_cur, &first_pages[s]);  // (the fused kernel's one step: kStages 4)
   };
   // the copies go out before the scale table and the query operands are built, which they then
   // overlap; in KV mode "hadamard" the pipeline buffers first hold the rotated query rows
   if (!p.hadamard) issue_prologue();
-  for (int i = threadIdx.x; i < 256; i += kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the barrier before the tile loop
+  for (int i = threadIdx.x; i < 256; i += C::kThreads) scale_lut[i] = scale2(e4m3_value(i));  // read after the barrier before the tile loop
 
   // ---------------- KV mode "hadamard": the block's query rows, rotated, in the (still unused)
-  // pipeline buffers as fp32 (kMaxRows x D x 4 bytes fit: the merge buffers, no larger, share them);
-  // rows past `rows` are zero
+  // pipeline buffers as fp32 (kMaxBlockRows x D x 4 bytes fit); rows past `rows` are zero
   float* q_rot = reinterpret_cast<float*>(smem);
   if (p.hadamard) {
-    for (int idx = threadIdx.x; idx < C::kMaxRows * kHeadDim; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < C::kMaxBlockRows * kHeadDim; idx += C::kThreads) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
       q_rot[idx] = row < rows ? to_float(static_cast<const T*>(p.q)[row_offset(row, p.q_stride_token, p.q_stride_head) + d])
                               : 0.f;
     }
-    fwht_rows<kHeadDim>(q_rot, rows);  // rows past `rows` stay zero
+    fwht_rows<kHeadDim, C::kThreads>(q_rot, rows);  // rows past `rows` stay zero
   }
 
   // ---------------- the Q^T operands, now that the first copies are out; the cache positions of the rows
@@ -433,7 +474,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   int row_pos[kRowTiles][2];        // cache position of query rows 2c, 2c+1 (or -1: no such row)
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
-    const float* rotated = q_rot + ((row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
+    const float* rotated = q_rot + (C::kFused ? warp_row_base + t * 8 + g : (row_warp * kRowTiles + t) * 8 + g) * kHeadDim;
 #pragma unroll
     for (int s = 0; s < C::kKSteps; ++s)
 #pragma unroll
@@ -448,8 +489,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = (row_warp * kRowTiles + t) * 8 + 2 * c + i;
-      row_pos[t][i] = r < rows ? seq_len - q_len + r / row_group : -1;
+      const int r = (C::kFused ? warp_row_base + t * 8 : (row_warp * kRowTiles + t) * 8) + 2 * c + i;
+      const bool live = C::kFused ? t * 8 + 2 * c + i < head_rows : r < rows;
+      row_pos[t][i] = live ? seq_len - q_len + row_token(r) : -1;
     }
   }
 
@@ -505,9 +547,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       score_scale[t][i] = ldexpf(soft_cap ? qk_scale : qk_scale_log2, -__shfl_sync(0xffffffffu, row_exp, (2 * c + i) * 4));
   }
   // the row warp's operands, stored by its first token warp; read after the barrier before the tile loop
-  uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + row_warp * kRowTiles * C::kKSteps * 32;
+  // (the fused kernel: one copy per kv head, stored by the head's first warp)
+  uint2* q_smem = reinterpret_cast<uint2*>(smem + C::kQOffset) + (C::kFused ? warp_head : row_warp) * kRowTiles * C::kKSteps * 32;
   if constexpr (C::kQInSmem) {
-    if (token_warp == 0) {
+    if (C::kFused ? warp_rank == 0 : token_warp == 0) {
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t)
 #pragma unroll
@@ -526,16 +569,19 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
 
   __syncthreads();  // the scale table (and the Q operands in shared memory) are read by every warp
-  for (int tile = 0; tile < num_tiles; tile += C::kTilesPerStep) {
+  // (the fused kernel: `tile` counts the warp's stages, so tile % kStages is still its ring's place)
+  for (int tile = 0; C::kFused ? chunk_cur < warp_chunks : tile < num_tiles; tile += C::kTilesPerStep) {
     cp_async_wait<(kStages - 2 * C::kTilesPerStep) / C::kTilesPerStep>();  // a commit group per step
     // With one row warp, a warp reads only the sub-tiles of each stage that its own lanes copy, so a
     // warp barrier orders its copies and its reads, and the warps need not wait for each other every
     // tile.  Row warps share their sub-tiles and need the block's barrier.
-    if constexpr (C::kTokenWarps == kWarps) __syncwarp();
+    if constexpr (C::kTokenWarps == C::kWarps) __syncwarp();
     else __syncthreads();
-    issue_step(tile + kStages - C::kTilesPerStep, next_page);
+    issue_step(tile + kStages - C::kTilesPerStep, chunk_next, next_page);
+    const int chunk_after = chunk_next + warps_per_head;  // the fused kernel's step after next: its pages load now
 #pragma unroll
-    for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = page_of(tile + kStages + u);
+    for (int u = 0; u < C::kTilesPerStep; ++u)
+      next_page[u] = C::kFused ? page_at(chunk_pos(chunk_after, u)) : page_of(tile + kStages + u);
     // the step's sub-tile j: this warp's sub-tile j % kSubTiles of stage tile + j / kSubTiles
     auto stage_of = [&](int j) { return smem + ((tile + j / C::kSubTiles) % kStages) * C::kStageBytes; };
     auto sub_of = [&](int j) { return token_warp + (j % C::kSubTiles) * C::kTokenWarps; };
@@ -596,7 +642,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       bool masked[kJ];
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        pos0[j] = begin + ((tile + (first + j) / C::kSubTiles) << tile_shift) + (sub_of(first + j) & sub_mask) * 16;
+        pos0[j] = C::kFused ? begin + (chunk_cur << 5) + 16 * j
+                            : begin + ((tile + (first + j) / C::kSubTiles) << tile_shift) + (sub_of(first + j) & sub_mask) * 16;
         masked[j] = pos0[j] + 15 >= end || pos0[j] + 15 > first_qpos || p.sliding_window > 0;
       }
       uint32_t p_frag[kJ][kRowTiles][2];
@@ -710,6 +757,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         }
       }
     }
+    if constexpr (C::kFused) chunk_cur = chunk_next, chunk_next = chunk_after;
   }
   // the output scale's load goes out before the epilogue's barriers: loaded after them (where it is
   // used), its latency stalled every block of a one-wave grid at once
@@ -760,22 +808,25 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     const int64_t part = ((int64_t)req * p.num_kv_heads + kv_base + head) * p.num_splits + split;
     return part * p.max_rows + row - head * head_rows;
   };
-  for (int idx = threadIdx.x; idx < rows * kPieces; idx += kThreads) {
+  float* rot_rows = reinterpret_cast<float*>(smem + C::kRotOffset);  // KV mode "hadamard": [rows][D]
+  for (int idx = threadIdx.x; idx < rows * kPieces; idx += C::kThreads) {
     const int row = idx / kPieces, d0 = idx % kPieces * 8;
     const int head = row / head_rows;  // of the block's heads
-    auto live = [&](int w) { return (w >> warp_head_shift) == head; };
+    // the row in its warps' merge slots: the fused kernel's warps hold their head's rows only
+    const int slot = C::kFused ? row - head * head_rows : row;
+    auto live = [&](int w) { return (C::kFused ? w & ((1 << head_shift) - 1) : w >> warp_head_shift) == head; };
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w)
-      if (live(w)) m = fmaxf(m, merge_ml[(w * C::kMaxRows + row) * 2]);
+      if (live(w)) m = fmaxf(m, merge_ml[(w * C::kMaxRows + slot) * 2]);
     const float base = m == -INFINITY ? 0.f : m;
     float l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < C::kTokenWarps; ++w) {
       if (!live(w)) continue;
-      const float f = exp2f(merge_ml[(w * C::kMaxRows + row) * 2] - base);
-      l += f * merge_ml[(w * C::kMaxRows + row) * 2 + 1];
-      const float4* src = reinterpret_cast<const float4*>(merge_out + (w * C::kMaxRows + row) * kHeadDim + d0);
+      const float f = exp2f(merge_ml[(w * C::kMaxRows + slot) * 2] - base);
+      l += f * merge_ml[(w * C::kMaxRows + slot) * 2 + 1];
+      const float4* src = reinterpret_cast<const float4*>(merge_out + (w * C::kMaxRows + slot) * kHeadDim + d0);
       const float4 lo = src[0], hi = src[1];
       o[0] += f * lo.x, o[1] += f * lo.y, o[2] += f * lo.z, o[3] += f * lo.w;
       o[4] += f * hi.x, o[5] += f * hi.y, o[6] += f * hi.z, o[7] += f * hi.w;
@@ -785,7 +836,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       if (d0 == 0) p.partial_max[part_row] = m, p.partial_sum[part_row] = l;
     } else {
       if (p.sinks != nullptr) {
-        const float sink = __ldg(p.sinks + kv_base * p.group_size + row % row_group) * kLog2e;
+        const float sink = __ldg(p.sinks + row_q_head(row)) * kLog2e;
         const float m2 = fmaxf(m, sink);
         const float f = exp2f(m == -INFINITY ? -INFINITY : m - m2);
 #pragma unroll
@@ -803,9 +854,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       reinterpret_cast<float4*>(dst)[0] = make_float4(o[0], o[1], o[2], o[3]);
       reinterpret_cast<float4*>(dst)[1] = make_float4(o[4], o[5], o[6], o[7]);
     };
-    if (p.hadamard) {  // rotated back below (the merge is linear in the rows); this thread alone read
-      // these elements of token warp 0's slot, so it can hold them
-      store8(merge_out + row * kHeadDim + d0);
+    if (p.hadamard) {  // rotated back below (the merge is linear in the rows); in the static kernel
+      // rot_rows is token warp 0's slot, whose these elements this thread alone read
+      store8(rot_rows + row * kHeadDim + d0);
     } else if (p.num_splits > 1) {
       store8(p.partial_out + part_row * kHeadDim + d0);
     } else {
@@ -814,10 +865,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
   }
   if (p.hadamard) {  // rotate the rows back: (P V H) H = P V
-    fwht_rows<kHeadDim>(merge_out, rows);
-    for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += kThreads) {
+    fwht_rows<kHeadDim, C::kThreads>(rot_rows, rows);
+    for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += C::kThreads) {
       const int row = idx / kHeadDim, d = idx % kHeadDim;
-      const float value = merge_out[row * kHeadDim + d] * p.hadamard_scale;
+      const float value = rot_rows[row * kHeadDim + d] * p.hadamard_scale;
       if (p.num_splits > 1) {
         p.partial_out[partial_row(row, row / head_rows) * kHeadDim + d] = value;
       } else {
@@ -914,23 +965,47 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
   }
 }
 
-template <typename T, int kHeadDim, int kRowTiles, int kRowWarps>
+template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps = 0>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
-  using C = Config<kHeadDim, kRowTiles, kRowWarps>;
-  auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps>;
+  using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
+  auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, (p.num_kv_heads + (1 << p.heads_per_block_log2) - 1) >> p.heads_per_block_log2, p.batch);
-  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
+  kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
   merge_splits_kernel<T, kHeadDim>
       <<<dim3(p.max_rows, p.num_kv_heads, p.batch), merge_threads<kHeadDim>(p.num_splits), 0, stream>>>(p);
   return cudaGetLastError();
 }
 
+// The fused kernel, where the device gives a block its shared memory (at D 128 some 161 KB for 16
+// warps and 147 KB for 12: sm_80 and sm_90 do, sm_86, sm_89 and sm_120 give 99 KB).  Elsewhere the
+// same plan runs on the kernel of one row warp, one kv head per block: the splits and their
+// workspace are per kv head either way.
+template <typename T, int kHeadDim, int kRowTiles>
+cudaError_t launch_fused(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int kFusedWarps = kRowTiles == 1 ? 16 : 12;  // decode_fused_warps
+  int device = 0, smem_per_block = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (smem_per_block >= Config<kHeadDim, kRowTiles, 1, kFusedWarps>::kSmemBytes)
+    return launch<T, kHeadDim, kRowTiles, 1, kFusedWarps>(p, stream);
+  DecodeParams one_head = p;
+  one_head.fused_warps = 0;
+  one_head.heads_per_block_log2 = 0;
+  return launch<T, kHeadDim, kRowTiles, 1>(one_head, stream);
+}
+
 // Row capacity configurations: (row tiles per warp, row warps); the first that fits max_rows.
 template <typename T, int kHeadDim>
 cudaError_t launch_for_rows(const DecodeParams& p, cudaStream_t stream) {
+  if (p.fused_warps != 0) {  // decode_fused_ok: D <= 128, up to 16 rows
+    if constexpr (kHeadDim <= 128) return p.max_rows <= 8 ? launch_fused<T, kHeadDim, 1>(p, stream)
+                                                          : launch_fused<T, kHeadDim, 2>(p, stream);
+    return cudaErrorInvalidValue;
+  }
   if (p.max_rows <= 8) return launch<T, kHeadDim, 1, 1>(p, stream);
   if constexpr (kHeadDim <= 128) {
     if (p.max_rows <= 16) return launch<T, kHeadDim, 2, 1>(p, stream);

@@ -62,6 +62,9 @@ struct DecodeParams {
   // kv heads per thread block, log2 (0, 1, 2): more than one only with max_query_len 1 and
   // group_size << heads_per_block_log2 <= 8 (decode_heads_per_block_ok); the partial rows stay per kv head
   int heads_per_block_log2;
+  // the fused kernel (decode_fused_ok): one block of 16 warps (max_rows <= 8) or 12 (<= 16) serves
+  // 1 << heads_per_block_log2 kv heads, a warp holding its own head's rows; 0: the other kernels
+  int fused_warps;
   QueryType dtype;
   // KV mode "hadamard" (the cache holds k H, v H): q is rotated by H and the output rotated back
   // by H inside the kernel (fp32 butterflies, then one multiply by hadamard_scale = 1/sqrt(D))
@@ -91,5 +94,10 @@ int decode_max_rows(int head_dim);
 //! Whether a block may serve 1 << heads_per_block_log2 kv heads: plain decode (max_rows ==
 //! group_size, i.e. max_query_len 1) whose packed rows fit the one-row-tile kernel's 8.
 bool decode_heads_per_block_ok(int heads_per_block_log2, int max_rows, int group_size);
+//! Whether the fused kernel serves max_rows at head_dim with 1 << heads_per_block_log2 kv heads per
+//! block: D <= 128, up to 8 rows (up to 8 heads) or 16 (up to 4 heads), any query length.
+bool decode_fused_ok(int heads_per_block_log2, int max_rows, int head_dim);
+//! The fused kernel's warps per block for max_rows (16 up to 8 rows, 12 up to 16).
+int decode_fused_warps(int max_rows);
 
 }  // namespace nvfp4

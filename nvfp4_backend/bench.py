@@ -43,6 +43,8 @@ def add_arguments(p) -> None:
                         "the targets of the other kernels, and the heads-per-block picker's wave, scale with it (ops._blocks_per_sm)")
     p.add_argument("--heads-per-block", type=int, default=None,
                    help="kv heads per decode thread block for q_len 1 (1, 2, 4; default: the planner's choice)")
+    p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                   help="the fused decode kernel: the planner's choice (auto), always where it fits (on), never (off)")
     p.add_argument("--out", default="bench.json")
     p.add_argument("--plot", default="bench.png")
 
@@ -167,13 +169,13 @@ class UniformBatch:
         return self.table.shape[0]
 
     def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None,
-                  heads_per_block: int | None = None):
+                  heads_per_block: int | None = None, fused: bool | None = None):
         """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl)."""
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
                                   self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
-                                  token_major=cache.token_major)
+                                  token_major=cache.token_major, fused=fused)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
@@ -226,14 +228,17 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
     for q_len, mode in variants:
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
         # same bytes; a rotating mode adds q H and out H
+        fused = {"auto": None, "on": True, "off": False}[getattr(args, "fused", "auto")]
+        if fused and not ops.fused_allowed(d, hq // hkv, q_len, 1):
+            fused = False
         call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode),
-                                               getattr(args, "heads_per_block", None))
+                                               getattr(args, "heads_per_block", None), fused)
         nref = min(B, 2)
         ref = batch.reference(q[: nref * q_len], qsl[: nref + 1], nref, rotated=mode.rotation == "hadamard")
         t = time_graph(call, args.iters)
         row = dict(B=B, L=L, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", q_len=q_len, **_timed(t, kv_bytes),
                    rel_err=_rel_err(out[: nref * q_len], ref), splits=plan.num_splits,
-                   heads_per_block=plan.heads_per_block)
+                   heads_per_block=plan.heads_per_block, fused=plan.fused)
         if mode != KVMode():
             row["mode"] = mode.name
         rows.append(row)
@@ -409,6 +414,7 @@ def _fmt_rows(rows) -> str:
                      f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
                      + (f" splits={r['splits']}" if 'splits' in r else "")
                      + (f" heads/block={r['heads_per_block']}" if r.get('heads_per_block', 1) > 1 else "")
+                     + (" fused" if r.get("fused") else "")
                      for r in rows)
 
 

@@ -55,6 +55,7 @@ class FuzzConfig:
     softmax_scale: float
     value_amplitude: float
     heads_per_block: int = 1  # kv heads per decode thread block (the planner packs only big grids)
+    fused: bool = False  # the fused kernel (the planner picks it only for grids of about one block per SM)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -66,7 +67,8 @@ class FuzzConfig:
         return (f"seed={self.seed} B={self.batch} L<={max(live, default=0)} D={self.head_dim} Hkv={self.num_kv_heads} "
                 f"G={self.group} q={max(self.q_lens, default=0)} ps={self.page_size} {self.layout} {self.dtype} "
                 f"win={self.sliding_window} cap={self.logits_soft_cap} sinks={self.sinks} "
-                f"kg={self.k_scale:.3g} vg={self.v_scale:.3g} heads/block={self.heads_per_block}")
+                f"kg={self.k_scale:.3g} vg={self.v_scale:.3g} heads/block={self.heads_per_block}"
+                + (" fused" if self.fused else ""))
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -106,7 +108,7 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
         for _ in range(rng.randint(1, 3)):
             seq_lens.append(0)
             q_lens.append(0)
-    return FuzzConfig(
+    cfg = FuzzConfig(
         seed=seed, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
         page_size=rng.choice([1, 16, 16, 32, 64, 128]), layout=rng.choice(LAYOUTS),
         dtype=rng.choice(["bfloat16", "float16"]), seq_lens=seq_lens, q_lens=q_lens,
@@ -120,6 +122,11 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
         # drawn last, so the draws above (and each seed's configuration) are what they were; forced,
         # since the grids here are too small for the planner to pack
         heads_per_block=_heads_per_block(rng.choice([1, 2, 4]), group, max(q_lens)))
+    # drawn after all the above for the same reason: the fused kernel, with its own heads per block
+    fused_heads = rng.choice([1, 2, 4, 8])
+    if rng.random() < 0.3 and ops.fused_allowed(head_dim, group, max(q_lens), fused_heads):
+        cfg.fused, cfg.heads_per_block = True, fused_heads
+    return cfg
 
 
 def _heads_per_block(drawn: int, group: int, max_query_len: int) -> int:
@@ -203,7 +210,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
     plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device),
-                              heads_per_block=cfg.heads_per_block)
+                              heads_per_block=cfg.heads_per_block, fused=cfg.fused)
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
               logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
     out = torch.full_like(q, float("nan"))
@@ -211,7 +218,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
     rec.update(path="kernel" if device.type == "cuda" and jit.decode_supports(cfg.group, max(cfg.q_lens), d)
-               else "dense", splits=plan.num_splits, heads_per_block=plan.heads_per_block)
+               else "dense", splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
     got = out[:rows]
     if not torch.isfinite(got).all():
         bad = torch.nonzero(~torch.isfinite(got).all(-1).all(-1)).flatten()[:5].tolist()

@@ -29,7 +29,7 @@ _lib.define(
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
     "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
     "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
-    "str rotation=\"none\", int heads_per_block=1) -> ()")
+    "str rotation=\"none\", int heads_per_block=1, bool fused=False) -> ()")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -157,11 +157,14 @@ def _write_kv_fake(key, value, slot_mapping, k_data, k_block_scales, v_data, v_b
 @dataclass(frozen=True)
 class AttentionPlan:
     """Host-side decisions for one step, made once (outside CUDA graphs) by the metadata builder:
-    the split-KV count, the workspace the splits need, and how many kv heads one thread block
-    serves (more than one only for plain decode with few query rows per kv head)."""
+    the split-KV count, the workspace the splits need, how many kv heads one thread block serves
+    and whether the fused kernel runs (``fused_allowed``: one block of 12 or 16 warps per
+    ``heads_per_block`` kv heads, where the GPU gives a block the shared memory; elsewhere the
+    same plan runs one kv head per block)."""
     num_splits: int
     workspace_bytes: int
     heads_per_block: int = 1
+    fused: bool = False
 
     def allocate_workspace(self, device) -> torch.Tensor:
         return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)
@@ -232,6 +235,48 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
     return best
 
 
+FUSED_MIN_TOKENS = 1024
+"""Shortest KV range per kv head and split that the planner gives the fused kernel: its blocks'
+start and end cost more than the static kernels' (128 x 512 at group 4 took 34.0 us fused against
+32.8-33.2; results/h200-2026-12-01-fused/experiment.md)."""
+FUSED_MIN_FILL = 0.9
+"""Least share of the SMs the fused kernel's one-block-per-SM grid must fill for the planner to pick it."""
+
+
+def fused_allowed(head_dim: int, group_size: int, max_query_len: int, heads_per_block: int) -> bool:
+    """Whether the fused kernel serves these rows with ``heads_per_block`` kv heads per block (csrc
+    decode_fused_ok): D 64 or 128, up to 8 query rows per kv head with up to 8 heads per block, or
+    up to 16 rows (4 query tokens at group 4) with up to 4."""
+    rows = group_size * max_query_len
+    return head_dim in (64, 128) and 1 <= rows <= 16 and heads_per_block in ((1, 2, 4, 8) if rows <= 8 else (1, 2, 4))
+
+
+def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int, max_seq_len: int,
+                head_dim: int, num_sms: int, token_major: bool) -> tuple[int, int] | None:
+    """(kv heads per block, splits) for the fused kernel, or None where the static kernels are the
+    better choice.  The fused kernel runs one block per SM whose warps stream the same tokens
+    whole-call long, where the static kernels' four blocks per SM end one after another and a grid
+    may leave a partial wave (4 query tokens at 64 x 8192: 512 blocks of 3 per SM).  It takes the
+    fewest heads per block whose grid fits one block per SM (two at least in a token-major cache,
+    whose adjacent kv heads share 128-byte lines: see plan_attention), and splits to fill the rest."""
+    if batch_size == 0:
+        return None
+    for heads_per_block in (2, 4, 8) if token_major and num_kv_heads > 1 else (1, 2, 4, 8):
+        if not fused_allowed(head_dim, group_size, max_query_len, heads_per_block):
+            return None
+        blocks = _thread_blocks(batch_size, num_kv_heads, heads_per_block)
+        if blocks <= num_sms:
+            break
+    else:
+        return None
+    splits = max(1, min(num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    if blocks * splits < FUSED_MIN_FILL * num_sms or max_seq_len < splits * FUSED_MIN_TOKENS:
+        return None
+    if splits > 1 and max_query_len * group_size > 8:
+        return None  # two row tiles split: 1 x 131072 at 4 query tokens 74.5-74.9 us against 72.8-74.2
+    return heads_per_block, splits
+
+
 def heads_per_block_allowed(group_size: int, max_query_len: int, heads_per_block: int) -> bool:
     """Whether a decode thread block may serve ``heads_per_block`` kv heads (csrc
     decode_heads_per_block_ok): plain decode whose packed rows fit the 8 of one row tile."""
@@ -239,7 +284,14 @@ def heads_per_block_allowed(group_size: int, max_query_len: int, heads_per_block
                                      and heads_per_block * group_size <= 8)
 
 
-def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads_per_block: int) -> None:
+def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads_per_block: int, head_dim: int,
+                           fused: bool) -> None:
+    if fused:
+        if not fused_allowed(head_dim, group_size, max_query_len, heads_per_block):
+            raise ValueError(f"{name} {heads_per_block} does not fit the fused kernel: it needs head_dim 64 or 128 "
+                             f"and max_query_len x group_size <= 16 with up to 8 kv heads per block at <= 8 rows and "
+                             f"4 at <= 16 (head_dim {head_dim}, max_query_len {max_query_len}, group_size {group_size})")
+        return
     if not heads_per_block_allowed(group_size, max_query_len, heads_per_block):
         raise ValueError(f"{name} must be 1, or 2 or 4 with max_query_len 1 and heads_per_block x group_size <= 8; "
                          f"got {heads_per_block} (max_query_len {max_query_len}, group_size {group_size})")
@@ -247,12 +299,15 @@ def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads
 
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
-                   heads_per_block: int | None = None, token_major: bool = False) -> AttentionPlan:
+                   heads_per_block: int | None = None, token_major: bool = False,
+                   fused: bool | None = None) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
-    ``heads_per_block``: kv heads per thread block (1, 2 or 4); None picks it.
+    ``heads_per_block``: kv heads per thread block (1, 2 or 4; up to 8 with ``fused``); None picks it.
+    ``fused``: run the fused kernel (``fused_allowed``); None lets the planner choose
+    (``_plan_fused``; only when ``heads_per_block`` is None too).
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
     NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
@@ -264,10 +319,25 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     if not (isinstance(num_sms, int) and num_sms > 0):
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     if heads_per_block is not None:
-        _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block)
+        _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block, head_dim, bool(fused))
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
+    # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
+    per = rows * (head_dim + 2) * 4
+    choice = None
+    if fused is None and heads_per_block is None:
+        choice = _plan_fused(batch_size, num_kv_heads, group_size, max_query_len, max_seq_len, head_dim, num_sms,
+                             token_major)
+    elif fused:  # asked for: the given heads per block (or one), splits to fill one block per SM
+        if not fused_allowed(head_dim, group_size, max_query_len, heads_per_block or 1):
+            raise ValueError(f"fused needs head_dim 64 or 128 and max_query_len x group_size <= 16, got head_dim "
+                             f"{head_dim}, max_query_len {max_query_len}, group_size {group_size}")
+        blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block or 1), 1)
+        choice = heads_per_block or 1, max(1, min(num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    if choice is not None:
+        fused_heads, splits = choice
+        return AttentionPlan(splits, batch_size * num_kv_heads * splits * per if splits > 1 else 0, fused_heads, True)
     slots = _blocks_per_sm(rows, head_dim) * num_sms  # one wave of blocks
 
     def splits_for(heads_per_block: int) -> int:
@@ -282,8 +352,6 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     splits = splits_for(heads_per_block)
     if splits == 1:
         return AttentionPlan(1, 0, heads_per_block)
-    # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
-    per = rows * (head_dim + 2) * 4
     return AttentionPlan(splits, batch_size * num_kv_heads * splits * per, heads_per_block)
 
 
@@ -356,7 +424,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
     if max_query_len > 0:  # no query rows at all: nothing runs, whatever the plan
         _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, max_query_len,
-                               plan.heads_per_block)
+                               plan.heads_per_block, cache.head_dim, plan.fused)
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
     elif workspace.device != dev:
@@ -369,7 +437,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     torch.ops.nvfp4_backend.paged_attention(
         out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block)
+        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused)
     return out
 
 
@@ -407,7 +475,7 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none",
-                          heads_per_block=1) -> None:
+                          heads_per_block=1, fused=False) -> None:
     from . import jit
     kernel = (q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data)
               and jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]))
@@ -415,7 +483,7 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
         jit.load(q.device).paged_attention(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, max_query_len,
-            num_splits, workspace, rotation, heads_per_block)
+            num_splits, workspace, rotation, heads_per_block, fused)
         return
     rotated = rotation == "hadamard"
     cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)

@@ -124,7 +124,7 @@ case $mode in
     # SANITIZE_TOOLS (default all three); the argument: a pytest -k expression. The default covers
     # every kernel path (writer, decode single/split/merge, spec rows, each head dim, window, sinks,
     # soft-cap, bad values, the extend path's gather, packed kv heads); the whole suite is far past one call under racecheck.
-    sel=${1:-"(test_write_kv_bit_exact and dtype0 and -HND) or (test_decode_matrix and (-16-4-1 or -16-8-4 or -1-1-1)) or (test_decode_features and dtype0-NHD and (True or 37)) or test_long_context_split or (test_many_splits and 128) or bad_values or (test_gather_kv_bit_exact and dtype0 and 128) or (test_decode_packed_heads and (128-16-3-2-5 or 64-1-1-4-3 or 256-64-2-4-5)) or (test_decode_packed_heads_features and 100 and dtype0) or (test_modes_end_to_end and packed-dtype0-128-mode1)"}
+    sel=${1:-"(test_write_kv_bit_exact and dtype0 and -HND) or (test_decode_matrix and (-16-4-1 or -16-8-4 or -1-1-1)) or (test_decode_features and dtype0-NHD and (True or 37)) or test_long_context_split or (test_many_splits and 128) or bad_values or (test_gather_kv_bit_exact and dtype0 and 128) or (test_decode_packed_heads and (128-16-3-2-5 or 64-1-1-4-3 or 256-64-2-4-5)) or (test_decode_packed_heads_features and 100 and dtype0) or (test_modes_end_to_end and packed-dtype0-128-mode1) or (test_decode_fused and (128-16-4-1-8 or 128-16-4-4-4 or 64-1-5-3-4)) or (test_decode_fused_features and 100 and dtype0) or (test_modes_end_to_end and fused-dtype0-128-mode1)"}
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
       compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x tests/test_kernels_gpu.py -k "$sel" 2>&1 \
         | tee "$OUT/sanitizer_$tool.log" | tail -8

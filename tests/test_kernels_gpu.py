@@ -110,7 +110,8 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed", "packed_single"])
+@pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed", "packed_single",
+                                  "fused", "fused_single"])
 def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
@@ -119,10 +120,14 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
     block serves (several row warps share the rotated-q buffer), 301 splits of 16-row blocks (the
     partial rows rotated back, then the merge), both kv heads in one block (plain decode, split
-    and single); rows past the batch untouched."""
+    and single), and both in one block of the fused kernel with 16 rows each (split and single; D
+    256 has no fused kernel: its plain two-head packing); rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
     group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4),
-                    "packed": (4, 1), "packed_single": (4, 1)}.get(case, (4, 2))
+                    "packed": (4, 1), "packed_single": (4, 1), "fused": (4, 4), "fused_single": (4, 4)}.get(case, (4, 2))
+    fused = case.startswith("fused") and d <= 128
+    if case.startswith("fused") and not fused:
+        q_len = 1
     seq_lens, q_lens = [700, 33, 1500], [1, q_len, 1]
     cache = PagedKVCache.allocate(3 * 100, ps, hkv, d, device=DEV, mode=mode)
     fill_random(cache, gen)
@@ -144,13 +149,13 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     out = torch.full_like(q, float("nan"))
     sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
     plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)),
-                              heads_per_block=2 if case.startswith("packed") else None)
-    if case in ("single", "packed_single"):
-        plan = ops.AttentionPlan(1, 0, plan.heads_per_block)
+                              heads_per_block=2 if case.startswith(("packed", "fused")) else None, fused=fused)
+    if case.endswith("single"):
+        plan = ops.AttentionPlan(1, 0, plan.heads_per_block, plan.fused)
     if case == "many_splits":
         plan = ops.AttentionPlan(301, 3 * hkv * 301 * q_len * group * (d + 2) * 4)
-    assert (plan.num_splits > 1) == (case not in ("single", "packed_single"))  # partial rows are rotated back too
-    assert (plan.heads_per_block > 1) == case.startswith("packed")
+    assert (plan.num_splits > 1) == (not case.endswith("single"))  # partial rows are rotated back too
+    assert (plan.heads_per_block > 1) == case.startswith(("packed", "fused")) and plan.fused == fused
     ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
                         max_query_len=max(q_lens), plan=plan, sinks=sinks)
     h = fmt.hadamard(d, DEV, torch.float64) if hadamard else torch.eye(d, dtype=torch.float64, device=DEV)
@@ -224,6 +229,42 @@ def test_decode_packed_heads_features(dtype, window, soft_cap, sinks, splits, ge
                   sinks=sinks, splits=splits, heads_per_block=4)
 
 
+def _fused_cases():
+    """The fused kernel (one block per heads_per_block kv heads, each warp on its own head's rows): both
+    head dims, page sizes from 1 to 128, rows up to 8 (one row tile: plain decode and short spec) and up to
+    16 (two: 4 query tokens at group 4), every heads-per-block each allows, kv head counts that leave
+    the last block short or not, split-KV or not."""
+    cases = []
+    rows_cases = [(1, 1), (4, 1), (8, 1), (3, 2), (2, 4), (4, 2), (4, 4), (16, 1), (8, 2), (5, 3)]  # (group, q_len)
+    for i, (head_dim, page_size, (group, q_len)) in enumerate(itertools.product([64, 128], [1, 16, 64, 128], rows_cases)):
+        for heads_per_block in (1, 2, 4, 8):
+            if ops.fused_allowed(head_dim, group, q_len, heads_per_block):
+                num_kv_heads = [3, 5, 8][(i + heads_per_block) % 3]
+                cases.append((head_dim, page_size, group, q_len, heads_per_block, num_kv_heads, [1, 5][(i + heads_per_block) % 2]))
+    return cases
+
+
+@pytest.mark.parametrize("head_dim,page_size,group,q_len,heads_per_block,num_kv_heads,splits", _fused_cases())
+def test_decode_fused(head_dim, page_size, group, q_len, heads_per_block, num_kv_heads, splits, gen):
+    layout = LAYOUTS[(head_dim + page_size + group + num_kv_heads) % len(LAYOUTS)]
+    if page_size == 1 and layout.startswith("inline"):
+        layout = "token_rows"
+    dtype = torch.bfloat16 if (page_size + num_kv_heads + q_len) % 2 else torch.float16
+    _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, splits=splits,
+                  heads_per_block=heads_per_block, fused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,soft_cap,sinks", [(37, None, False), (None, 30.0, False), (None, None, True),
+                                                   (100, 20.0, True)])
+@pytest.mark.parametrize("splits,q_len", [(1, 1), (5, 1), (1, 4), (5, 3)])
+def test_decode_fused_features(dtype, window, soft_cap, sinks, splits, q_len, gen):
+    """Window, soft cap and sinks in the fused kernel: 4 kv heads per block, 5 kv heads (the last block
+    has one), one and two row tiles."""
+    _check_decode(gen, "HND", 128, 16, 4, q_len, dtype, num_kv_heads=5, window=window, soft_cap=soft_cap,
+                  sinks=sinks, splits=splits, heads_per_block=4, fused=True)
+
+
 # ----------------------------------------------------------------------------- extend (prefill) path
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -279,7 +320,7 @@ def test_extend_path_matches_reference(layout, dtype, gather_tokens, gen, monkey
 
 
 def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, window=None, soft_cap=None,
-                  sinks=False, splits=None, seq_lens=None, heads_per_block=1):
+                  sinks=False, splits=None, seq_lens=None, heads_per_block=1, fused=False):
     seq_lens = seq_lens or [q_len + int(x) for x in torch.randint(0, 700, (4,), generator=gen)]
     seq_lens[0] = q_len  # only the new tokens
     q_lens = [q_len] * len(seq_lens)
@@ -292,11 +333,11 @@ def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_
     sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
     scale = 1 / math.sqrt(head_dim)
     plan = ops.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim,
-                              heads_per_block=heads_per_block)
+                              heads_per_block=heads_per_block, fused=fused)
     if splits is not None:
         plan = ops.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4,
-                                 heads_per_block)
-    assert plan.heads_per_block == heads_per_block
+                                 heads_per_block, fused)
+    assert plan.heads_per_block == heads_per_block and plan.fused == fused
     out = torch.full_like(batch.q, float("nan"))
     ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, scale,
                         max_query_len=batch.max_query_len, sliding_window=window, logits_soft_cap=soft_cap,
@@ -345,18 +386,24 @@ def test_binding_rejects_bad_arguments(gen):
         (batch.q, 1, workspace, 100, 1, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128"),
         (q32, 1, workspace, 1, 1, "q must be float16 or bfloat16, got Float"),
         (batch.q.cpu(), 1, workspace, 1, 1, "q must be a CUDA tensor, got cpu"),
-        (batch.q, 1, workspace, 1, 3, "heads_per_block must be 1, 2 or 4, got 3"),
+        (batch.q, 1, workspace, 1, 3, r"heads_per_block must be 1, 2 or 4 \(or 8 with fused\), got 3"),
+        (batch.q, 1, workspace, 1, 8, r"heads_per_block must be 1, 2 or 4 \(or 8 with fused\), got 8"),
         (misaligned(batch.q), 1, workspace, 1, 1,
          r"q rows must be 16-byte aligned .*got a data pointer 2 bytes past a 16-byte boundary and strides \[1024, 128, 1\]"),
         (batch.q, 1, workspace, 1, 4, "heads_per_block 4 needs max_query_len 1 and heads_per_block \\* group_size <= 8, "
                                       "got max_query_len 1 and group_size 4"),
         (batch.q, 1, workspace, 2, 2, "heads_per_block 2 needs max_query_len 1 .*got max_query_len 2 and group_size 4")]
-    for q, num_splits, ws, max_query_len, heads_per_block, message in cases:
+    fused_cases = [  # the fused kernel: up to 16 rows, up to 4 kv heads per block past 8 rows
+        (batch.q, 1, workspace, 5, 1, "fused needs head_dim 64 or 128 and max_query_len \\* group_size <= 16 .*got head_dim "
+                                      "128, 20 rows and heads_per_block 1"),
+        (batch.q, 1, workspace, 4, 8, "fused needs .*got head_dim 128, 16 rows and heads_per_block 8")]
+    for q, num_splits, ws, max_query_len, heads_per_block, message, fused in (
+            [c + (False,) for c in cases] + [c + (True,) for c in fused_cases]):
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
         with pytest.raises(RuntimeError, match=message):
             kernels.paged_attention(out, q, *cache.tensors(), batch.block_table, batch.seq_lens,
                                     batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, max_query_len, num_splits, ws,
-                                    "none", heads_per_block)
+                                    "none", heads_per_block, fused)
         torch.cuda.synchronize()
         assert out.isnan().all(), "out was written although the call was rejected"
     out = misaligned(torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=DEV))
@@ -373,15 +420,15 @@ def test_binding_rejects_bad_arguments(gen):
     assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors())), "the cache was written"
 
 
-@pytest.mark.parametrize("heads_per_block", [1, 2])
-def test_cuda_graph_replay_and_determinism(heads_per_block, gen):
+@pytest.mark.parametrize("heads_per_block,fused", [(1, False), (2, False), (2, True)])
+def test_cuda_graph_replay_and_determinism(heads_per_block, fused, gen):
     seq_lens, q_lens = [500, 1200, 77], [1, 1, 1]
     cache = make_cache("HND", 200, 16, 2, 128, DEV)
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, 8, 128, 16, 200, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
-    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128, heads_per_block=heads_per_block)
-    assert plan.num_splits > 1
+    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128, heads_per_block=heads_per_block, fused=fused)
+    assert plan.num_splits > 1 and plan.fused == fused
     ws = plan.allocate_workspace(DEV)
     out = torch.empty_like(batch.q)
 
@@ -443,8 +490,8 @@ def test_fuzz_fixed_seeds(seed):
     assert rec["ok"], f"{rec['summary']}: {rec['failure']} (replay: nvfp4-backend fuzz --replay {seed} --max-context 32768)"
 
 
-@pytest.mark.parametrize("heads_per_block", [1, 2])
-def test_bad_values_give_the_reference_nan_pattern(heads_per_block, gen):
+@pytest.mark.parametrize("heads_per_block,fused", [(1, False), (2, False), (2, True)])
+def test_bad_values_give_the_reference_nan_pattern(heads_per_block, fused, gen):
     """NaN K / V blocks, a NaN query, all-zero blocks and NaN stale bytes: the kernel's output has
     exactly the reference's NaN pattern (README, Reliability) and matches it elsewhere; with both
     kv heads in one block too (a NaN of one head must not reach the other's rows)."""
@@ -452,7 +499,8 @@ def test_bad_values_give_the_reference_nan_pattern(heads_per_block, gen):
     b = case.batch
     out = torch.full_like(case.q, 7.0)
     plan = ops.plan_attention(b.seq_lens.shape[0], case.cache.num_kv_heads, case.q.shape[1] // case.cache.num_kv_heads,
-                              1, int(b.seq_lens.max()), case.q.shape[2], heads_per_block=heads_per_block)
+                              1, int(b.seq_lens.max()), case.q.shape[2], heads_per_block=heads_per_block, fused=fused)
+    assert plan.fused == fused
     ops.paged_attention(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg, case.vg, 0.1,
                         out=out, plan=plan, max_query_len=1)
     assert torch.equal(torch.isnan(out).cpu(), case.expect_nan)

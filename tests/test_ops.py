@@ -228,16 +228,72 @@ def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (8, 2, 64), (8, 8, 128), (8, 4, 256), (1, 4, 128)])
 def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, group, head_dim):
     """A token-major cache packs 2 kv heads per block wherever the head-major plan splits with one
-    head per block and 2 fit (D <= 128, more than one kv head); elsewhere both plans are the same."""
-    head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim)
-    token_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True)
+    head per block and 2 fit (D <= 128, more than one kv head); elsewhere both plans are the same.
+    Fused plans of a token-major cache hold 2 kv heads per block at least."""
+    fused = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True)
+    if fused.fused:
+        assert fused.heads_per_block >= min(2, kv_heads)
+    head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, fused=False)
+    token_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True, fused=False)
     packs = (head_major.num_splits > 1 and head_major.heads_per_block == 1 and kv_heads > 1 and head_dim <= 128
              and ops.heads_per_block_allowed(group, 1, 2))
     if packs:
         assert token_major.heads_per_block == 2
         assert token_major == ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, heads_per_block=2)
+        assert not token_major.fused
     else:
         assert token_major == head_major
+
+
+@pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim, token_major, want", [
+    (64, 8, 4, 1, 8192, 128, False, (4, 1)),      # 128 blocks of 4 kv heads on 132 SMs
+    (64, 8, 4, 4, 8192, 128, False, (4, 1)),      # 16 rows: two row tiles, up to 4 heads
+    (32, 8, 4, 1, 8192, 128, False, (2, 1)),
+    (1, 8, 4, 1, 131072, 128, False, (1, 16)),    # 8 blocks per split
+    (1, 8, 4, 1, 131072, 128, True, (2, 33)),     # token-major: 2 heads per block at least
+    (32, 8, 4, 4, 8192, 128, False, (2, 1)),
+    (1, 8, 4, 4, 131072, 128, False, None),       # two row tiles only unsplit
+    (8, 8, 2, 1, 32768, 64, False, (1, 2)),
+    (256, 8, 4, 1, 2048, 128, False, None),       # 256 blocks at 8 heads: past one per SM
+    (128, 8, 4, 1, 512, 128, False, None),        # 512 tokens: short of FUSED_MIN_TOKENS
+    (100, 8, 4, 1, 8192, 128, False, None),       # 100 blocks fill 76 % of the SMs
+    (64, 8, 4, 1, 8192, 256, False, None),        # D 256: no fused kernel
+    (64, 8, 4, 8, 8192, 128, False, None),        # 32 rows
+    (0, 8, 4, 1, 8192, 128, False, None)])
+def test_plan_attention_picks_the_fused_kernel(batch, kv_heads, group, q_len, seq_len, head_dim, token_major, want):
+    """The fused kernel for grids of about one block per SM (at least FUSED_MIN_FILL of them) with long
+    enough ranges: the fewest kv heads per block that fit, splits for the rest of the SMs."""
+    plan = ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, num_sms=132, token_major=token_major)
+    if want is None:
+        assert not plan.fused
+        return
+    assert plan.fused and (plan.heads_per_block, plan.num_splits) == want
+    blocks = batch * -(-kv_heads // plan.heads_per_block) * plan.num_splits
+    assert ops.FUSED_MIN_FILL * 132 <= blocks <= 132
+    assert seq_len >= plan.num_splits * ops.FUSED_MIN_TOKENS
+    assert plan.workspace_bytes == (batch * kv_heads * plan.num_splits * q_len * group * (head_dim + 2) * 4
+                                    if plan.num_splits > 1 else 0)
+    # what a caller asks for wins: fused off, or a static heads per block
+    assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, fused=False).fused
+    assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, heads_per_block=1).fused
+
+
+def test_plan_attention_rejects_a_fused_kernel_that_does_not_fit():
+    with pytest.raises(ValueError, match="fused needs head_dim 64 or 128 and max_query_len x group_size <= 16"):
+        ops.plan_attention(64, 8, 4, 1, 8192, 256, fused=True)
+    with pytest.raises(ValueError, match="heads_per_block 8 does not fit the fused kernel.*max_query_len 4"):
+        ops.plan_attention(64, 8, 4, 4, 8192, 128, heads_per_block=8, fused=True)
+    assert ops.plan_attention(64, 8, 4, 1, 8192, 128, heads_per_block=8, fused=True).heads_per_block == 8
+
+
+def test_paged_attention_rejects_a_fused_plan_that_does_not_fit(step, cache):
+    """A fused plan with more kv heads per block than the fused kernel takes (16) is a ValueError
+    naming plan.heads_per_block, and out is not written."""
+    args = _attn_args(step, cache)
+    args["out"] = torch.full_like(step.q, float("nan"))
+    with pytest.raises(ValueError, match="plan.heads_per_block 16 does not fit the fused kernel"):
+        ops.paged_attention(**args, plan=ops.AttentionPlan(1, 0, heads_per_block=16, fused=True))
+    assert args["out"].isnan().all()
 
 
 @pytest.mark.parametrize("layout, token_major", [("NHD", True), ("HND", False)])
