@@ -238,7 +238,7 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
 FUSED_MIN_TOKENS = 1024
 """Shortest KV range per kv head and split that the planner gives the fused kernel: its blocks'
 start and end cost more than the static kernels' (128 x 512 at group 4 took 34.0 us fused against
-32.8-33.2; results/h200-2026-12-01-fused/experiment.md)."""
+32.8-33.2; results/h200-2026-12-01-58973a9/README.md)."""
 FUSED_MIN_FILL = 0.9
 """Least share of the SMs the fused kernel's one-block-per-SM grid must fill for the planner to pick it."""
 
