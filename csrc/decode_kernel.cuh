@@ -9,7 +9,11 @@
 //    head, each warp streams one head's share, and the block's rows are the heads' rows side by side.
 //    Half or a quarter as many blocks, each as long: a grid of more blocks than fit at once (many
 //    short requests) takes one wave instead of two, and pays each block's start and end once.
-//  * 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
+//  * the fused kernel (kFusedWarps, up to 16 rows at hd64 / hd128): one block of 16 or 12 warps per
+//    SM serves 1-8 kv heads; warp w streams head w % heads, holds that head's rows only, and takes
+//    every warps_per_head-th 32-token step of it.  One block per SM instead of four: no blocks that
+//    end one after another, no partial wave (Config, below).
+//  * static kernels: 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
 //    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-warp
 //    kernels of hd64 and hd128 (up to 8 query rows with one row tile: plain decode; up to 16 with
 //    two) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
@@ -229,7 +233,8 @@ struct Config {
   // 64 x 8192 (results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory
   // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
   // spills).  0 leaves the others to the compiler.
-  // fused: the registers of the static kernel of its rows (its 4 warps' blocks per SM)
+  // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
+  // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
   static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
                                          : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
@@ -241,8 +246,8 @@ struct Config {
   static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
   static_assert(kStages % kTilesPerStep == 0, "a step's stages are consecutive in the ring, one commit group per step");
   static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
-  static_assert(!kFused || (kRowWarps == 1 && kTilesPerStep == 2 && kWarps >= kMaxHeads),
-                "fused: a warp's own rows, 32-token steps, a warp per head at least");
+  static_assert(!kFused || (kRowWarps == 1 && kTilesPerStep == 2 && kWarps % kMaxHeads == 0),
+                "fused: a warp's own rows, 32-token steps, as many warps on each head");
   static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
 };
 
@@ -280,9 +285,9 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;  // MMA group id / thread-in-group
   const int row_warp = warp / C::kTokenWarps, token_warp = warp % C::kTokenWarps;
-  // the block's kv heads (heads_per_block > 1 only with one row warp and q_len 1, the binding checks):
-  // token warp w streams head w >> warp_head_shift, whose tiles are tokens_per_tile = 64 >> head_shift
-  // long; its 16 tokens of each are sub-tile (w & sub_mask)
+  // the block's kv heads (static kernels: heads_per_block > 1 only with one row warp and q_len 1, the
+  // binding checks): token warp w streams head w >> warp_head_shift, whose tiles are tokens_per_tile =
+  // 64 >> head_shift long; its 16 tokens of each are sub-tile (w & sub_mask).  (The fused kernel: below)
   const int head_shift = p.heads_per_block_log2;
   const int kv_base = blockIdx.y << head_shift;
   const int heads_here = min(1 << head_shift, p.num_kv_heads - kv_base);
@@ -334,8 +339,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int t = 0; t < kRowTiles; ++t) {
       const int row = C::kFused ? warp_row_base + t * 8 + g : (row_warp * kRowTiles + t) * 8 + g;
       const bool live = C::kFused ? t * 8 + g < head_rows && warp_head < heads_here : row < rows;
-      // row_offset(live ? row : 0, ...) spelled out: that form compiles to a different prologue,
-      // which has not been measured
+      // the static kernels' row_offset(live ? row : 0, ...) spelled out: that form compiles to a
+      // different prologue, which has not been measured there
       const uint4* qrow = reinterpret_cast<const uint4*>(
           C::kFused ? static_cast<const T*>(p.q) + row_offset(live ? row : 0, p.q_stride_token, p.q_stride_head) + c * (kHeadDim / 4)
                     : static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
@@ -366,6 +371,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
 
   // ---------------- pipeline: thread -> (token, half) of each stage; the token is one of its warp's
   // 16 of the stage, which are tokens (w & sub_mask) * 16 .. + 15 of head w >> warp_head_shift's part
+  // (the fused kernel: of its head's current step, chunk_pos)
   const int load_token = threadIdx.x >> 1, load_half = threadIdx.x & 1;
   const int load_warp = load_token >> 4, load_head = C::kFused ? warp_head : load_warp >> warp_head_shift;
   const bool load_live = load_head < heads_here;  // a block's last kv heads may be fewer

@@ -59,8 +59,9 @@ struct DecodeParams {
   int sliding_window;                                   // 0 = off; else visible tokens incl. own
   int batch, num_kv_heads, group_size, head_dim, page_size_log2, num_splits;
   int max_rows;                                         // max_query_len * group_size
-  // kv heads per thread block, log2 (0, 1, 2): more than one only with max_query_len 1 and
-  // group_size << heads_per_block_log2 <= 8 (decode_heads_per_block_ok); the partial rows stay per kv head
+  // kv heads per thread block, log2: static kernels 0, 1, 2, more than one only with max_query_len 1
+  // and group_size << heads_per_block_log2 <= 8 (decode_heads_per_block_ok); the fused kernel up to 3
+  // (decode_fused_ok).  The partial rows stay per kv head
   int heads_per_block_log2;
   // the fused kernel (decode_fused_ok): one block of 16 warps (max_rows <= 8) or 12 (<= 16) serves
   // 1 << heads_per_block_log2 kv heads, a warp holding its own head's rows; 0: the other kernels

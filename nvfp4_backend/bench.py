@@ -42,7 +42,8 @@ def add_arguments(p) -> None:
                    help="override the split planner's target for plain decode at D <= 128 (ops.SPLIT_BLOCKS_PER_SM); "
                         "the targets of the other kernels, and the heads-per-block picker's wave, scale with it (ops._blocks_per_sm)")
     p.add_argument("--heads-per-block", type=int, default=None,
-                   help="kv heads per decode thread block for q_len 1 (1, 2, 4; default: the planner's choice)")
+                   help="kv heads per decode thread block for q_len 1 (1, 2, 4; 8 with --fused on; default: the "
+                        "planner's choice)")
     p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                    help="the fused decode kernel: the planner's choice (auto), always where it fits (on), never (off)")
     p.add_argument("--out", default="bench.json")
@@ -175,7 +176,7 @@ class UniformBatch:
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
                                   self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
-                                  token_major=cache.token_major, fused=fused)
+                                  token_major=cache.token_major, fused=fused, device=q.device)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
@@ -229,7 +230,7 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
         # same bytes; a rotating mode adds q H and out H
         fused = {"auto": None, "on": True, "off": False}[getattr(args, "fused", "auto")]
-        if fused and not ops.fused_allowed(d, hq // hkv, q_len, 1):
+        if fused and not ops.fused_allowed(d, hq // hkv, q_len, getattr(args, "heads_per_block", None) or 1):
             fused = False
         call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode),
                                                getattr(args, "heads_per_block", None), fused)

@@ -62,7 +62,7 @@ def _gpu_microbench(num_kv_heads: int, group: int, head_dim: int, device) -> lis
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, num_kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
         one = torch.ones((), dtype=torch.float32, device=device)
-        plan = ops.plan_attention(batch, num_kv_heads, group, 1, ctx, head_dim)
+        plan = ops.plan_attention(batch, num_kv_heads, group, 1, ctx, head_dim, ops.num_sms(device), device=device)
         ws = plan.allocate_workspace(device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, bt, seq, qsl, one, one, head_dim ** -0.5, max_query_len=1,  # noqa: E731

@@ -237,10 +237,27 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
 
 FUSED_MIN_TOKENS = 1024
 """Shortest KV range per kv head and split that the planner gives the fused kernel: its blocks'
-start and end cost more than the static kernels' (128 x 512 at group 4 took 34.0 us fused against
-32.8-33.2; results/h200-2026-12-01-58973a9/README.md)."""
+start and end cost more than the static kernels' (128 x 512 at group 4, 8 kv heads per block,
+33.9-34.0 us against 32.8-33.2 with the work-queue variant that preceded it; 4 query tokens on the
+12-warp kernel 56.7-56.8 against 54.6-55.2: results/h200-2026-12-01-58973a9/README.md)."""
 FUSED_MIN_FILL = 0.9
 """Least share of the SMs the fused kernel's one-block-per-SM grid must fill for the planner to pick it."""
+FUSED_SHARED_MEMORY = 164864
+"""Shared memory of the fused kernel's largest block (D 128, 16 warps: csrc Config<128, 1, 1,
+16>::kSmemBytes; tests/test_build.py compares).  The planner picks the fused kernel only on a device
+that gives a block this much (sm_80, sm_90 and sm_100 do; sm_86, sm_89 and sm_120 give 99 KB): on
+the others the launcher would run a fused plan on the static kernel, whose four blocks per SM want
+four times the splits."""
+
+
+def fused_fits(device) -> bool:
+    """Whether ``device`` gives a thread block FUSED_SHARED_MEMORY bytes (off CUDA, where a plan is
+    only bookkeeping: True)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    return limit is None or limit >= FUSED_SHARED_MEMORY
 
 
 def fused_allowed(head_dim: int, group_size: int, max_query_len: int, heads_per_block: int) -> bool:
@@ -300,14 +317,15 @@ def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
                    heads_per_block: int | None = None, token_major: bool = False,
-                   fused: bool | None = None) -> AttentionPlan:
+                   fused: bool | None = None, device=None) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
     any sequence lengths up to the ones it was planned for (longer ones just get longer splits).
     ``heads_per_block``: kv heads per thread block (1, 2 or 4; up to 8 with ``fused``); None picks it.
     ``fused``: run the fused kernel (``fused_allowed``); None lets the planner choose
-    (``_plan_fused``; only when ``heads_per_block`` is None too).
+    (``_plan_fused``; only when ``heads_per_block`` is None too, and, given ``device``, where
+    ``fused_fits(device)``).
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
     NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
@@ -320,19 +338,19 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     if heads_per_block is not None:
         _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block, head_dim, bool(fused))
+    if fused and not fused_allowed(head_dim, group_size, max_query_len, heads_per_block or 1):
+        raise ValueError(f"fused needs head_dim 64 or 128 and max_query_len x group_size <= 16, got head_dim "
+                         f"{head_dim}, max_query_len {max_query_len}, group_size {group_size}")
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
     # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
     per = rows * (head_dim + 2) * 4
     choice = None
-    if fused is None and heads_per_block is None:
+    if fused is None and heads_per_block is None and (device is None or fused_fits(device)):
         choice = _plan_fused(batch_size, num_kv_heads, group_size, max_query_len, max_seq_len, head_dim, num_sms,
                              token_major)
     elif fused:  # asked for: the given heads per block (or one), splits to fill one block per SM
-        if not fused_allowed(head_dim, group_size, max_query_len, heads_per_block or 1):
-            raise ValueError(f"fused needs head_dim 64 or 128 and max_query_len x group_size <= 16, got head_dim "
-                             f"{head_dim}, max_query_len {max_query_len}, group_size {group_size}")
         blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block or 1), 1)
         choice = heads_per_block or 1, max(1, min(num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
     if choice is not None:
@@ -419,7 +437,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if plan is None:
         max_seq_len = int(seq_lens.max()) if batch else 0
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
-                              max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major)
+                              max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major, device=dev)
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
     if max_query_len > 0:  # no query rows at all: nothing runs, whatever the plan

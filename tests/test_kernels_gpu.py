@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def _to_cpu(cache):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["split", "single", "sinks", "many_rows", "many_splits", "packed", "packed_single",
-                                  "fused", "fused_single"])
+                                  "fused", "fused_single", "fused_one_tile"])
 def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     """A cache with an accuracy mode, written and read through the ops on the GPU: its bytes equal
     the CPU reference's quantization of fmt.hadamard_transform(K/V) (the writer rotates in its
@@ -120,11 +121,13 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     back exactly.  Cases: split-KV with speculative rows, one split, sinks, and the most rows a
     block serves (several row warps share the rotated-q buffer), 301 splits of 16-row blocks (the
     partial rows rotated back, then the merge), both kv heads in one block (plain decode, split
-    and single), and both in one block of the fused kernel with 16 rows each (split and single; D
-    256 has no fused kernel: its plain two-head packing); rows past the batch untouched."""
+    and single), and both in one block of the fused kernel with 16 rows each (split and single) and
+    with 4 (its 16-warp block, whose rotated rows lie inside the pipeline buffers; D 256 has no fused
+    kernel: its plain two-head packing); rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
     group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4),
-                    "packed": (4, 1), "packed_single": (4, 1), "fused": (4, 4), "fused_single": (4, 4)}.get(case, (4, 2))
+                    "packed": (4, 1), "packed_single": (4, 1), "fused": (4, 4), "fused_single": (4, 4),
+                    "fused_one_tile": (4, 1)}.get(case, (4, 2))
     fused = case.startswith("fused") and d <= 128
     if case.startswith("fused") and not fused:
         q_len = 1
@@ -263,6 +266,20 @@ def test_decode_fused_features(dtype, window, soft_cap, sinks, splits, q_len, ge
     has one), one and two row tiles."""
     _check_decode(gen, "HND", 128, 16, 4, q_len, dtype, num_kv_heads=5, window=window, soft_cap=soft_cap,
                   sinks=sinks, splits=splits, heads_per_block=4, fused=True)
+
+
+@pytest.mark.parametrize("q_len, warps", [(1, 16), (4, 12)])
+def test_fused_plans_run_the_fused_kernel(q_len, warps, gen):
+    """A fused plan runs the fused kernel (16 warps up to 8 rows per kv head, 12 up to 16; the kernel's
+    last template argument), not the static kernel the launcher falls back to on a device that lacks
+    the block's shared memory."""
+    if not ops.fused_fits(DEV):
+        pytest.skip("this GPU gives a block less shared memory than the fused kernel takes")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _check_decode(gen, "HND", 128, 16, 4, q_len, torch.bfloat16, 8, heads_per_block=4, fused=True)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if "paged_decode_kernel" in e.key]
+    assert names and all(re.search(rf"(, ?{warps}>|Li{warps}EE)", n) for n in names), names
 
 
 # ----------------------------------------------------------------------------- extend (prefill) path

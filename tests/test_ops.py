@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,31 @@ def test_plan_attention_picks_the_fused_kernel(batch, kv_heads, group, q_len, se
     # what a caller asks for wins: fused off, or a static heads per block
     assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, fused=False).fused
     assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, heads_per_block=1).fused
+
+
+@pytest.mark.parametrize("limit, fits", [(101376, False), (166912, True), (232448, True), (None, True)])
+def test_plan_attention_picks_the_fused_kernel_only_where_the_device_gives_its_shared_memory(limit, fits, monkeypatch):
+    """sm_86 / sm_89 / sm_120 give a block 99 KB (101376 bytes), sm_80 163 KB, sm_90 227 KB; a torch
+    without the property: assume it fits (the launcher falls back to the static kernel)."""
+    props = types.SimpleNamespace(multi_processor_count=132)
+    if limit is not None:
+        props.shared_memory_per_block_optin = limit
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert ops.fused_fits("cuda:0") == fits
+    assert ops.fused_fits("cpu")  # off CUDA a plan is bookkeeping
+    plan = ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, device="cuda:0")
+    assert plan.fused == fits and plan == ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, fused=None if fits else False)
+    # asked for, it is planned anyway (the launcher runs it where it fits)
+    assert ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, fused=True, heads_per_block=4, device="cuda:0").fused
+
+
+@pytest.mark.parametrize("head_dim, group, q_len, heads_per_block, allowed", [
+    (128, 4, 2, 8, True), (64, 4, 4, 4, True), (128, 3, 3, 8, False), (128, 17, 1, 1, False),
+    (256, 4, 1, 1, False), (128, 4, 1, 16, False), (128, 16, 1, 4, True), (128, 16, 1, 8, False)])
+def test_fused_allowed_mirrors_the_binding(head_dim, group, q_len, heads_per_block, allowed):
+    """ops.fused_allowed against csrc decode_fused_ok's rule (tests/csrc/binding_messages.cpp checks
+    the C++ side on the same limits): D 64 / 128, up to 16 rows, 8 heads up to 8 rows, 4 past them."""
+    assert ops.fused_allowed(head_dim, group, q_len, heads_per_block) == allowed
 
 
 def test_plan_attention_rejects_a_fused_kernel_that_does_not_fit():

@@ -30,6 +30,12 @@ static bool expect_text(const std::string& got, const std::string& want) {
   return false;
 }
 
+static bool expect_true(bool ok, const char* what) {
+  ++checks;
+  if (!ok) std::printf("false: %s\n", what);
+  return ok;
+}
+
 static bool expect_error(const std::function<void()>& call, const std::string& want) {
   ++checks;
   try {
@@ -60,7 +66,7 @@ int main() {
   ok &= expect_error([&] {
     at::Tensor out = cpu.clone(), ws = bytes.view(-1);
     paged_attention(out, cpu, bytes, bytes, bytes, bytes, ints.view({1, 2}), ints, ints, scalar, scalar, 0.1, 0, 0.0,
-                    std::nullopt, 1, 1, ws, "none", 1);
+                    std::nullopt, 1, 1, ws, "none", 1, false);
   }, "q must be a CUDA tensor, got cpu");
   ok &= expect_error([&] {
     at::Tensor b = bytes.clone();
@@ -71,6 +77,11 @@ int main() {
               " needs max_query_len 1 and heads_per_block * group_size <= 8, got ", "max_query_len ", int64_t(2),
               " and group_size ", 4);
   }, "heads_per_block 2 needs max_query_len 1 and heads_per_block * group_size <= 8, got max_query_len 2 and group_size 4");
+  // the fused kernel's limits: D 64 / 128, up to 16 rows, 8 kv heads per block up to 8 rows and 4 past them
+  ok &= expect_true(nvfp4::decode_fused_ok(3, 8, 128) && nvfp4::decode_fused_ok(2, 16, 64) &&
+                        !nvfp4::decode_fused_ok(3, 9, 128) && !nvfp4::decode_fused_ok(0, 17, 128) &&
+                        !nvfp4::decode_fused_ok(0, 8, 256) && nvfp4::decode_fused_warps(8) == 16 &&
+                        nvfp4::decode_fused_warps(9) == 12, "the fused kernel's limits");
   // cache tensors whose shapes disagree (a direct op call skips PagedKVCache.validate): the kernels would
   // index the smaller one with k_data's page count, page size and heads
   const at::Tensor scales = at::zeros({4, 16, 2, 4}, at::kByte);

@@ -96,7 +96,8 @@ class NVFP4XQABackend(AttentionBackend):
             # prompt), so extends run unsplit.
             return _NO_SPLIT
         return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, 1, max_seq_len,
-                                  self.token_to_kv_pool.head_dim, self.num_sms, token_major=True)  # token rows
+                                  self.token_to_kv_pool.head_dim, self.num_sms, token_major=True,  # token rows
+                                  device=self.device)
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""

@@ -207,7 +207,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         if not decode_supports(self.group_size, max_query_len, self.head_size):
             return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
         return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                  self.head_size, self.num_sms, token_major=self.token_major)
+                                  self.head_size, self.num_sms, token_major=self.token_major, device=self.device)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:
