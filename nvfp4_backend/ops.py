@@ -211,6 +211,12 @@ def _thread_blocks(batch_size: int, num_kv_heads: int, heads_per_block: int) -> 
     return batch_size * -(-num_kv_heads // heads_per_block)
 
 
+def _splits_to_fill(blocks: int, slots: int, max_seq_len: int) -> int:
+    """Splits of each request's KV range so that ``blocks`` thread blocks per split fill ``slots``
+    (rounded down), none shorter than SPLIT_MIN_TOKENS."""
+    return max(1, min(slots // max(blocks, 1), math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+
+
 def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                           slots: int) -> int:
     """Kv heads per thread block, for a wave of ``slots`` blocks (the kernel's residency,
@@ -286,7 +292,7 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
             break
     else:
         return None
-    splits = max(1, min(num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+    splits = _splits_to_fill(blocks, num_sms, max_seq_len)
     if blocks * splits < FUSED_MIN_FILL * num_sms or max_seq_len < splits * FUSED_MIN_TOKENS:
         return None
     if splits > 1 and max_query_len * group_size > 8:
@@ -344,33 +350,33 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     if not jit.decode_supports(group_size, max_query_len, head_dim):
         return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
-    # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
-    per = rows * (head_dim + 2) * 4
+
+    def plan(splits: int, heads_per_block: int, fused: bool = False) -> AttentionPlan:
+        # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
+        workspace = batch_size * num_kv_heads * splits * rows * (head_dim + 2) * 4 if splits > 1 else 0
+        return AttentionPlan(splits, workspace, heads_per_block, fused)
+
     choice = None
     if fused is None and heads_per_block is None and (device is None or fused_fits(device)):
         choice = _plan_fused(batch_size, num_kv_heads, group_size, max_query_len, max_seq_len, head_dim, num_sms,
                              token_major)
     elif fused:  # asked for: the given heads per block (or one), splits to fill one block per SM
-        blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block or 1), 1)
-        choice = heads_per_block or 1, max(1, min(num_sms // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+        fused_heads = heads_per_block or 1
+        choice = fused_heads, _splits_to_fill(_thread_blocks(batch_size, num_kv_heads, fused_heads), num_sms, max_seq_len)
     if choice is not None:
         fused_heads, splits = choice
-        return AttentionPlan(splits, batch_size * num_kv_heads * splits * per if splits > 1 else 0, fused_heads, True)
+        return plan(splits, fused_heads, fused=True)
     slots = _blocks_per_sm(rows, head_dim) * num_sms  # one wave of blocks
 
     def splits_for(heads_per_block: int) -> int:
-        blocks = max(_thread_blocks(batch_size, num_kv_heads, heads_per_block), 1)
-        return max(1, min(slots // blocks, math.ceil(max_seq_len / SPLIT_MIN_TOKENS)))
+        return _splits_to_fill(_thread_blocks(batch_size, num_kv_heads, heads_per_block), slots, max_seq_len)
 
     if heads_per_block is None:
         heads_per_block = _pick_heads_per_block(batch_size, num_kv_heads, group_size, max_query_len, slots)
         if (token_major and heads_per_block == 1 and num_kv_heads > 1 and head_dim <= 128
                 and heads_per_block_allowed(group_size, max_query_len, 2) and splits_for(1) > 1):
             heads_per_block = 2
-    splits = splits_for(heads_per_block)
-    if splits == 1:
-        return AttentionPlan(1, 0, heads_per_block)
-    return AttentionPlan(splits, batch_size * num_kv_heads * splits * per, heads_per_block)
+    return plan(splits_for(heads_per_block), heads_per_block)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
