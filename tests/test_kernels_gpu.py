@@ -172,6 +172,13 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
 
 
 # ----------------------------------------------------------------------------------- decode
+def _case_layout(index: int, page_size: int) -> str:
+    """LAYOUTS[index], rotating through the layouts case by case; vLLM pages hold >= 16 tokens, and
+    1-token inline pages are not 16-byte aligned, so those take SGLang's token rows."""
+    layout = LAYOUTS[index % len(LAYOUTS)]
+    return "token_rows" if page_size == 1 and layout.startswith("inline") else layout
+
+
 def _cases():
     """The support matrix, each axis value covered, with the combinations that stress indexing."""
     cases = []
@@ -184,9 +191,7 @@ def _cases():
 
 @pytest.mark.parametrize("head_dim,page_size,group,q_len", _cases())
 def test_decode_matrix(head_dim, page_size, group, q_len, gen):
-    layout = LAYOUTS[(head_dim + page_size + group + q_len) % len(LAYOUTS)]
-    if page_size == 1 and layout.startswith("inline"):
-        layout = "token_rows"  # vLLM pages hold >= 16 tokens; 1-token inline pages are not 16-byte aligned
+    layout = _case_layout(head_dim + page_size + group + q_len, page_size)
     dtype = torch.bfloat16 if (page_size + q_len) % 2 else torch.float16
     _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads=2)
 
@@ -214,9 +219,7 @@ def _packed_cases():
 
 @pytest.mark.parametrize("head_dim,page_size,group,heads_per_block,num_kv_heads,splits", _packed_cases())
 def test_decode_packed_heads(head_dim, page_size, group, heads_per_block, num_kv_heads, splits, gen):
-    layout = LAYOUTS[(head_dim + page_size + group + num_kv_heads) % len(LAYOUTS)]
-    if page_size == 1 and layout.startswith("inline"):
-        layout = "token_rows"
+    layout = _case_layout(head_dim + page_size + group + num_kv_heads, page_size)
     dtype = torch.bfloat16 if (page_size + num_kv_heads) % 2 else torch.float16
     _check_decode(gen, layout, head_dim, page_size, group, 1, dtype, num_kv_heads, splits=splits,
                   heads_per_block=heads_per_block)
@@ -249,9 +252,7 @@ def _fused_cases():
 
 @pytest.mark.parametrize("head_dim,page_size,group,q_len,heads_per_block,num_kv_heads,splits", _fused_cases())
 def test_decode_fused(head_dim, page_size, group, q_len, heads_per_block, num_kv_heads, splits, gen):
-    layout = LAYOUTS[(head_dim + page_size + group + num_kv_heads) % len(LAYOUTS)]
-    if page_size == 1 and layout.startswith("inline"):
-        layout = "token_rows"
+    layout = _case_layout(head_dim + page_size + group + num_kv_heads, page_size)
     dtype = torch.bfloat16 if (page_size + num_kv_heads + q_len) % 2 else torch.float16
     _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, splits=splits,
                   heads_per_block=heads_per_block, fused=True)
