@@ -339,10 +339,10 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
     for (int t = 0; t < kRowTiles; ++t) {
       const int row = C::kFused ? warp_row_base + t * 8 + g : (row_warp * kRowTiles + t) * 8 + g;
       const bool live = C::kFused ? t * 8 + g < head_rows && warp_head < heads_here : row < rows;
-      // the static kernels' row_offset(live ? row : 0, ...) spelled out: that form compiles to a
-      // different prologue, which has not been measured there
+      // row_offset only for a live row: it divides by head_rows, which is 0 for an empty request.  The
+      // static kernels' form spelled out: row_offset compiles to a different prologue there, not measured
       const uint4* qrow = reinterpret_cast<const uint4*>(
-          C::kFused ? static_cast<const T*>(p.q) + row_offset(live ? row : 0, p.q_stride_token, p.q_stride_head) + c * (kHeadDim / 4)
+          C::kFused ? static_cast<const T*>(p.q) + (live ? row_offset(row, p.q_stride_token, p.q_stride_head) : 0) + c * (kHeadDim / 4)
                     : static_cast<const T*>(p.q) + (int64_t)(q_start + (live ? row / row_group : 0)) * p.q_stride_token +
                           (int64_t)(kv_base * p.group_size + (live ? row % row_group : 0)) * p.q_stride_head + c * (kHeadDim / 4));
 #pragma unroll
