@@ -273,12 +273,30 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
   }
 }
 
+// Which kernels copy whole token rows (kRowCopies) where a token's kv heads lie side by side (NHD
+// pages, SGLang's token rows: head stride = a head's row).  There a head's row is part of a line the
+// neighbouring heads share, and copying one sector of 16 tokens' rows per warp instruction (the
+// head-major pages' order, whole sectors of contiguous rows) made each instruction touch 16 lines for a
+// sector each; whole rows, kDataBytes / 16 threads per token, touch half as many lines for two
+// sectors each.  On an H200 (results/h200-2026-12-01-ROWS/row-copies/, isolated): NHD pages of 16, 64 x
+// 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
+// 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
+// sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged.
+// One row tile and one row warp only: a runtime branch in the two-row-tile kernels cost head-major
+// 4-query-token decode 2-4 % through their registers, for a token-major gain of 0-3 %.  D 64's row is
+// one sector: nothing to change.
+template <typename C>
+constexpr bool row_copies_serve(int row_tiles, int row_warps) {
+  return C::kDataBytes >= 64 && row_tiles == 1 && row_warps == 1;
+}
+
 // ------------------------------------------------------------------ the kernel
-template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps>
+template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps, bool kRowCopies>
 __global__ void __launch_bounds__((Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kThreads),
                                   (Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kMinBlocksPerSm))
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
+  static_assert(!kRowCopies || row_copies_serve<C>(kRowTiles, kRowWarps), "row copies: kernels of one row tile and warp");
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, req = blockIdx.z;
@@ -402,15 +420,23 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // sector's two halves in one instruction: with each thread copying a contiguous half of the token
   // instead, every sector was requested from L2 twice, by two instructions.  Page strides and offsets
   // within a page fit 32 bits (the binding checks): the 32 x 32 -> 64-bit multiply-adds of issue_step
-  const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + load_half * 16);
-  const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + load_half * 16);
+  // kRowCopies (token-major caches, see row_copies_serve): kRowThreads threads per token, one 16-byte
+  // piece each of its row; copy j of a stage is token j * kRowTokens + row_sub of the warp's 16, whose
+  // page its owner lane (2 t) holds
+  constexpr int kRowThreads = C::kDataBytes / 16, kRowTokens = 32 / kRowThreads;
+  const int lane_in_warp = threadIdx.x & 31, row_piece = lane_in_warp % kRowThreads, row_sub = lane_in_warp / kRowThreads;
+  const int row_delta = static_cast<int>(opaque(static_cast<uint32_t>(row_sub - (load_token & 15))));  // its token - mine
+  const int copy_offset = kRowCopies ? row_piece * 16 : load_half * 16;
+  const uint8_t* k_src = opaque(p.k_data + load_kv_head * p.data_strides.head + copy_offset);
+  const uint8_t* v_src = opaque(p.v_data + load_kv_head * p.data_strides.head + copy_offset);
   const uint8_t* scale_src =
       opaque((load_half ? p.v_block_scales : p.k_block_scales) + load_kv_head * p.scale_strides.head);
   const uint32_t data_page_stride = static_cast<uint32_t>(p.data_strides.page);
   const uint32_t scale_page_stride = static_cast<uint32_t>(p.scale_strides.page);
   const uint32_t data_token_stride = static_cast<uint32_t>(p.data_strides.token);
   const uint32_t scale_token_stride = static_cast<uint32_t>(p.scale_strides.token);
-  const uint32_t data_dst = opaque(smem_addr(smem) + C::data_offset(load_token) + load_half * 16);
+  const uint32_t data_dst = opaque(smem_addr(smem) + (kRowCopies ? C::data_offset((load_token & ~15) + row_sub)
+                                                                  : C::data_offset(load_token)) + copy_offset);
   const uint32_t scale_dst =
       opaque(smem_addr(smem) + 2 * C::kDataStage + load_half * C::kScaleStage + load_token * C::kScaleBytes);
   // tiles past the last one, up to a whole step, are copied as zeros (their pages are -1): the step reads them
@@ -431,13 +457,26 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         auto source = [&](const uint8_t* base, uint32_t page_stride, uint32_t token_stride) {
           return mad_wide(page_index, page_stride, mad_wide(in_page, token_stride, base));
         };
-        const uint8_t* k = source(k_src, data_page_stride, data_token_stride);
-        const uint8_t* v = source(v_src, data_page_stride, data_token_stride);
         const uint32_t dst = stage + u * C::kStageBytes;
+        if constexpr (kRowCopies) {
 #pragma unroll
-        for (int b = 0; b < C::kDataBytes; b += 32) {
-          cp_async<16>(data_dst + dst + b, k + b, page);
-          cp_async<16>(data_dst + dst + C::kDataStage + b, v + b, page);
+          for (int j = 0; j < C::kDataBytes / 32; ++j) {
+            const int row_page = __shfl_sync(0xffffffffu, page, 2 * (j * kRowTokens + row_sub));
+            const uint32_t row_in_page = (in_page + row_delta + j * kRowTokens) & page_mask;
+            const uint32_t row_page_index = static_cast<uint32_t>(max(row_page, 0));
+            const uint32_t at = data_dst + dst + C::data_offset(j * kRowTokens);
+            cp_async<16>(at, mad_wide(row_page_index, data_page_stride, mad_wide(row_in_page, data_token_stride, k_src)), row_page);
+            cp_async<16>(at + C::kDataStage, mad_wide(row_page_index, data_page_stride, mad_wide(row_in_page, data_token_stride, v_src)),
+                         row_page);
+          }
+        } else {
+          const uint8_t* k = source(k_src, data_page_stride, data_token_stride);
+          const uint8_t* v = source(v_src, data_page_stride, data_token_stride);
+#pragma unroll
+          for (int b = 0; b < C::kDataBytes; b += 32) {
+            cp_async<16>(data_dst + dst + b, k + b, page);
+            cp_async<16>(data_dst + dst + C::kDataStage + b, v + b, page);
+          }
         }
         cp_async<C::kScaleBytes>(scale_dst + dst, source(scale_src, scale_page_stride, scale_token_stride), page);
       }
@@ -974,7 +1013,10 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps = 0>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
-  auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
+  auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps, false>;
+  if constexpr (row_copies_serve<C>(kRowTiles, kRowWarps)) {
+    if (p.data_strides.head == C::kDataBytes) kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, (p.num_kv_heads + (1 << p.heads_per_block_log2) - 1) >> p.heads_per_block_log2, p.batch);

@@ -269,18 +269,24 @@ def test_decode_fused_features(dtype, window, soft_cap, sinks, splits, q_len, ge
                   sinks=sinks, splits=splits, heads_per_block=4, fused=True)
 
 
-@pytest.mark.parametrize("q_len, warps", [(1, 16), (4, 12)])
-def test_fused_plans_run_the_fused_kernel(q_len, warps, gen):
-    """A fused plan runs the fused kernel (16 warps up to 8 rows per kv head, 12 up to 16; the kernel's
-    last template argument), not the static kernel the launcher falls back to on a device that lacks
-    the block's shared memory."""
-    if not ops.fused_fits(DEV):
+@pytest.mark.parametrize("layout", ["HND", "NHD", "token_rows"])
+@pytest.mark.parametrize("q_len, warps", [(1, 16), (4, 12), (1, 0)])
+def test_plans_run_the_kernel_they_name(q_len, warps, layout, gen):
+    """A fused plan runs the fused kernel (16 warps up to 8 rows per kv head, 12 up to 16: the kernel's
+    fifth template argument; 0 the static kernel), not the static kernel the launcher falls back to on
+    a device that lacks the block's shared memory; and a token-major cache (NHD pages, token rows) runs
+    the kernel that copies whole token rows (the last argument), one row tile only."""
+    if warps and not ops.fused_fits(DEV):
         pytest.skip("this GPU gives a block less shared memory than the fused kernel takes")
+    page_size = 1 if layout == "token_rows" else 16
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _check_decode(gen, "HND", 128, 16, 4, q_len, torch.bfloat16, 8, heads_per_block=4, fused=True)
+        _check_decode(gen, layout, 128, page_size, 4, q_len, torch.bfloat16, 8, heads_per_block=4 if warps else 1,
+                      fused=warps > 0)
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages() if "paged_decode_kernel" in e.key]
-    assert names and all(re.search(rf"(, ?{warps}>|Li{warps}EE)", n) for n in names), names
+    rows = layout != "HND" and q_len == 1
+    kernel = rf"(, ?{warps}, ?{str(rows).lower()}>|Li{warps}ELb{int(rows)}EE)"
+    assert names and all(re.search(kernel, n) for n in names), names
 
 
 # ----------------------------------------------------------------------------- extend (prefill) path
