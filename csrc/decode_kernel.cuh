@@ -278,7 +278,7 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // neighbouring heads share, and copying one sector of 16 tokens' rows per warp instruction (the
 // head-major pages' order, whole sectors of contiguous rows) made each instruction touch 16 lines for a
 // sector each; whole rows, kDataBytes / 16 threads per token, touch half as many lines for two
-// sectors each.  On an H200 (results/h200-2026-12-01-ROWS/row-copies/, isolated): NHD pages of 16, 64 x
+// sectors each.  On an H200 (results/h200-2026-12-01-21fa567/row-copies/, isolated): NHD pages of 16, 64 x
 // 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
 // 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
 // sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged.

@@ -280,11 +280,18 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
     better choice.  The fused kernel runs one block per SM whose warps stream the same tokens
     whole-call long, where the static kernels' four blocks per SM end one after another and a grid
     may leave a partial wave (4 query tokens at 64 x 8192: 512 blocks of 3 per SM).  It takes the
-    fewest heads per block whose grid fits one block per SM (two at least in a token-major cache,
-    whose adjacent kv heads share 128-byte lines: see plan_attention), and splits to fill the rest."""
+    fewest heads per block whose grid fits one block per SM, and splits to fill the rest.  In a
+    token-major cache, whose adjacent kv heads share 128-byte lines, two heads at least where one head
+    per block would split, as the static planner packs (plan_attention).  On an H200 with the
+    row-copying kernels (NHD pages of 16, D 128, group 4; results/h200-2026-12-01-21fa567/row-copies/
+    hpb.log): 1 x 131072 60.6-60.8 us at 2 heads and 33 splits against 66.4-69.1 at 1 and 16; 8 x
+    32768 105.6-105.8 against 103.9-104.1 and 4 x 65536 103.6-106.2 against 104.3-104.7 (near ties);
+    unsplit at 1 head, 16 x 16384 101.1 against 105.4-105.8 at 2 heads and 2 splits."""
     if batch_size == 0:
         return None
-    for heads_per_block in (2, 4, 8) if token_major and num_kv_heads > 1 else (1, 2, 4, 8):
+    pack = (token_major and num_kv_heads > 1
+            and _splits_to_fill(_thread_blocks(batch_size, num_kv_heads, 1), num_sms, max_seq_len) > 1)
+    for heads_per_block in (2, 4, 8) if pack else (1, 2, 4, 8):
         if not fused_allowed(head_dim, group_size, max_query_len, heads_per_block):
             return None
         blocks = _thread_blocks(batch_size, num_kv_heads, heads_per_block)

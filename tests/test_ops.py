@@ -230,10 +230,13 @@ def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads
 def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, group, head_dim):
     """A token-major cache packs 2 kv heads per block wherever the head-major plan splits with one
     head per block and 2 fit (D <= 128, more than one kv head); elsewhere both plans are the same.
-    Fused plans of a token-major cache hold 2 kv heads per block at least."""
+    Fused plans likewise: 2 kv heads per block at least where one head per block would split."""
     fused = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True)
-    if fused.fused:
-        assert fused.heads_per_block >= min(2, kv_heads)
+    fused_head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim)
+    if fused.fused and kv_heads > 1 and fused_head_major.fused and fused_head_major.heads_per_block == 1:
+        assert fused.heads_per_block == (2 if fused_head_major.num_splits > 1 else 1)
+    elif fused.fused or fused_head_major.fused:
+        assert fused == fused_head_major
     head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, fused=False)
     token_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True, fused=False)
     packs = (head_major.num_splits > 1 and head_major.heads_per_block == 1 and kv_heads > 1 and head_dim <= 128
@@ -251,7 +254,9 @@ def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, 
     (64, 8, 4, 4, 8192, 128, False, (4, 1)),      # 16 rows: two row tiles, up to 4 heads
     (32, 8, 4, 1, 8192, 128, False, (2, 1)),
     (1, 8, 4, 1, 131072, 128, False, (1, 16)),    # 8 blocks per split
-    (1, 8, 4, 1, 131072, 128, True, (2, 33)),     # token-major: 2 heads per block at least
+    (1, 8, 4, 1, 131072, 128, True, (2, 33)),     # token-major: 2 heads per block where 1 would split
+    (16, 8, 4, 1, 16384, 128, True, (1, 1)),      # ... and 1 where it would not
+    (16, 8, 4, 1, 16384, 128, False, (1, 1)),
     (32, 8, 4, 4, 8192, 128, False, (2, 1)),
     (1, 8, 4, 4, 131072, 128, False, None),       # two row tiles only unsplit
     (8, 8, 2, 1, 32768, 64, False, (1, 2)),
