@@ -281,13 +281,14 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
 // sectors each.  On an H200 (results/h200-2026-12-01-21fa567/row-copies/, isolated): NHD pages of 16, 64 x
 // 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
 // 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
-// sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged.
-// One row tile and one row warp only: a runtime branch in the two-row-tile kernels cost head-major
-// 4-query-token decode 2-4 % through their registers, for a token-major gain of 0-3 %.  D 64's row is
-// one sector: nothing to change.
+// sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged
+// (as a runtime branch instead of a template argument, the copy order had cost head-major 4-query-token
+// decode 2-4 % through the two-row-tile kernels' registers).  Kernels of one row warp, whose warps copy
+// only the sub-tiles they read; with two row tiles (4 query tokens) the gain is 0-4 % (1 x 131072 79.1
+// -> 76.1-76.4 us).  D 64's row is one sector: nothing to change.
 template <typename C>
 constexpr bool row_copies_serve(int row_tiles, int row_warps) {
-  return C::kDataBytes >= 64 && row_tiles == 1 && row_warps == 1;
+  return C::kDataBytes >= 64 && row_tiles <= 2 && row_warps == 1;
 }
 
 // ------------------------------------------------------------------ the kernel
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__((Config<kHeadDim, kRowTiles, kRowWarps, kFused
                                   (Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kMinBlocksPerSm))
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
-  static_assert(!kRowCopies || row_copies_serve<C>(kRowTiles, kRowWarps), "row copies: kernels of one row tile and warp");
+  static_assert(!kRowCopies || row_copies_serve<C>(kRowTiles, kRowWarps), "row copies: kernels of one row warp");
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, req = blockIdx.z;
