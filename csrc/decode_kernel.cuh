@@ -240,6 +240,20 @@ struct Config {
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
                                          : kHeadDim == 256                                     ? 2
                                                                                                : 0;
+  // Which kernels may copy whole token rows (the kernel's kRowCopies) where a token's kv heads lie
+  // side by side (NHD pages, SGLang's token rows: head stride = a head's row).  There a head's row is part of a line the
+  // neighbouring heads share, and copying one sector of 16 tokens' rows per warp instruction (the
+  // head-major pages' order, whole sectors of contiguous rows) made each instruction touch 16 lines for a
+  // sector each; whole rows, kDataBytes / 16 threads per token, touch half as many lines for two
+  // sectors each.  On an H200 (results/h200-2026-12-01-21fa567/row-copies/, isolated): NHD pages of 16, 64 x
+  // 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
+  // 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
+  // sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged
+  // (as a runtime branch instead of a template argument, the copy order had cost head-major 4-query-token
+  // decode 2-4 % through the two-row-tile kernels' registers).  Kernels of one row warp, whose warps copy
+  // only the sub-tiles they read; with two row tiles (4 query tokens) the gain is 0-4 % (1 x 131072 79.1
+  // -> 76.1-76.4 us).  D 64's row is one sector: nothing to change.
+  static constexpr bool kRowCopiesServe = kDataBytes >= 64 && kRowTiles <= 2 && kRowWarps == 1;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
   static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
   static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
@@ -273,31 +287,13 @@ __device__ __forceinline__ void fwht_rows(float* buf, int rows) {
   }
 }
 
-// Which kernels copy whole token rows (kRowCopies) where a token's kv heads lie side by side (NHD
-// pages, SGLang's token rows: head stride = a head's row).  There a head's row is part of a line the
-// neighbouring heads share, and copying one sector of 16 tokens' rows per warp instruction (the
-// head-major pages' order, whole sectors of contiguous rows) made each instruction touch 16 lines for a
-// sector each; whole rows, kDataBytes / 16 threads per token, touch half as many lines for two
-// sectors each.  On an H200 (results/h200-2026-12-01-21fa567/row-copies/, isolated): NHD pages of 16, 64 x
-// 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
-// 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
-// sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged
-// (as a runtime branch instead of a template argument, the copy order had cost head-major 4-query-token
-// decode 2-4 % through the two-row-tile kernels' registers).  Kernels of one row warp, whose warps copy
-// only the sub-tiles they read; with two row tiles (4 query tokens) the gain is 0-4 % (1 x 131072 79.1
-// -> 76.1-76.4 us).  D 64's row is one sector: nothing to change.
-template <typename C>
-constexpr bool row_copies_serve(int row_tiles, int row_warps) {
-  return C::kDataBytes >= 64 && row_tiles <= 2 && row_warps == 1;
-}
-
 // ------------------------------------------------------------------ the kernel
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps, bool kRowCopies>
 __global__ void __launch_bounds__((Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kThreads),
                                   (Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kMinBlocksPerSm))
 paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
-  static_assert(!kRowCopies || row_copies_serve<C>(kRowTiles, kRowWarps), "row copies: kernels of one row warp");
+  static_assert(!kRowCopies || C::kRowCopiesServe, "row copies: kernels of one row warp");
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, req = blockIdx.z;
@@ -421,7 +417,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   // sector's two halves in one instruction: with each thread copying a contiguous half of the token
   // instead, every sector was requested from L2 twice, by two instructions.  Page strides and offsets
   // within a page fit 32 bits (the binding checks): the 32 x 32 -> 64-bit multiply-adds of issue_step
-  // kRowCopies (token-major caches, see row_copies_serve): kRowThreads threads per token, one 16-byte
+  // kRowCopies (token-major caches, see Config::kRowCopiesServe): kRowThreads threads per token, one 16-byte
   // piece each of its row; copy j of a stage is token j * kRowTokens + row_sub of the warp's 16, whose
   // page its owner lane (2 t) holds
   constexpr int kRowThreads = C::kDataBytes / 16, kRowTokens = 32 / kRowThreads;
@@ -1015,7 +1011,7 @@ template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarp
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using C = Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>;
   auto kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps, false>;
-  if constexpr (row_copies_serve<C>(kRowTiles, kRowWarps)) {
+  if constexpr (C::kRowCopiesServe) {
     if (p.data_strides.head == C::kDataBytes) kernel = paged_decode_kernel<T, kHeadDim, kRowTiles, kRowWarps, kFusedWarps, true>;
   }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
