@@ -196,9 +196,14 @@ struct Config {
   static constexpr int kKChunk = kDataBytes / 4;         // K bytes per thread per token
   static constexpr int kVChunk = kDataBytes / 8;         // V bytes per thread per token
   // data rows are padded by 32 bytes every 4 rows so the V reads of a warp (4 rows, 4 apart)
-  // fall in different banks.  Not in the fused kernel of one row tile: unpadded, its V reads conflict
-  // 4 ways and its copies' writes 2 ways, and yet it ran 2-4 % faster on an H200 (CANDIDATE: numbers)
-  static constexpr int kRowPad = kFused && kRowTiles == 1 ? 0 : 32;
+  // fall in different banks.  Not in hd128's fused kernel of one row tile (plain decode): unpadded, its
+  // V reads conflict 4 ways and its copies' writes 2 ways, and yet on an H200 it ran 4.5-5 % faster back
+  // to back (64 x 8192 173.3-174.2 against 181.6-182.0 us, 1 x 131072 55.3-55.7 against 58.0-58.4, 8 x
+  // 32768 and 32 x 8192 alike: results/h200-2026-12-01-06016e9/).  Why is not known: the loop's
+  // instructions are the same (1210 against 1211), and so is the shared-memory carveout.  The static
+  // kernels lost 1-12 % unpadded (128 x 512 33 -> 35 us, D 256 64 x 4096 201 -> 213), the two-row-tile
+  // fused kernel and hd64's were flat or slower within the noise of one isolated run: they keep the pad.
+  static constexpr int kRowPad = kFused && kRowTiles == 1 && kHeadDim == 128 ? 0 : 32;
   static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * kRowPad; }
   static constexpr int kDataStage = data_offset(kTileTokens);
   static constexpr int kScaleStage = kTileTokens * kScaleBytes;

@@ -1,6 +1,7 @@
 """Static SASS instruction counts of csrc/ kernels, without a GPU.
 
-Compiles one source for one arch with the project's nvcc flags, disassembles it with cuobjdump
+Compiles one source for one arch with the project's nvcc flags (and NVFP4_BACKEND_NVCC_FLAGS, as the JIT
+build takes them: a variant's -D switches), disassembles it with cuobjdump
 and prints, per kernel, ptxas's registers and spill bytes, the instruction count, the top opcodes
 and (--loop) the size of the innermost loop that holds HMMA instructions (the decode kernel's hot
 loop) with the local-memory loads and stores inside it (spills that cost every tile).  cuobjdump and
@@ -34,7 +35,7 @@ def disassemble(source: Path, arch: int, defines: list[str]) -> tuple[str, dict[
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cap = (arch // 10, arch % 10)
-        built = subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS,
+        built = subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS, *jit.extra_flags(),
                                 *jit.arch_flags(cap), f"-I{REPO / 'csrc'}", *[f"-D{d}" for d in defines],
                                 "-Xptxas", "-v"], check=True, capture_output=True, text=True)
         usage, name = {}, None
