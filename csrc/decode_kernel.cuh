@@ -197,10 +197,10 @@ struct Config {
   static constexpr int kVChunk = kDataBytes / 8;         // V bytes per thread per token
   // data rows are padded by 32 bytes every 4 rows so the V reads of a warp (4 rows, 4 apart)
   // fall in different banks.  Not in hd128's fused kernel of one row tile (plain decode): unpadded, its
-  // V reads conflict 4 ways and its copies' writes 2 ways, and yet on an H200 it ran 4.5-5 % faster back
+  // loads conflict more (ncu: 2.6 ways on average), and yet on an H200 it ran 4.5-5 % faster back
   // to back (64 x 8192 173.3-174.2 against 181.6-182.0 us, 1 x 131072 55.3-55.7 against 58.0-58.4, 8 x
   // 32768 and 32 x 8192 alike: results/h200-2026-12-01-06016e9/).  Why is not known: the loop's
-  // instructions are the same (1210 against 1211), both sizes take sm_90's 164 KB carveout step, and at ncu's
+  // instructions are the same (1206 against 1207), both sizes take sm_90's 164 KB carveout step, and at ncu's
   // locked clock it is as much faster (IPC 2.83 against 2.73, with 2.6-way conflicts on its loads).  Unpadded,
   // the static kernels lost up to 11 % at D 256 (128 x 512 74 -> 82 us) and were flat to 3 % slower at
   // D 128 and 64, and the two-row-tile fused kernel and hd64's were flat or slower: they keep the pad.
