@@ -84,6 +84,12 @@ __device__ __forceinline__ const uint8_t* mad_wide(uint32_t a, uint32_t b, const
   asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(d) : "r"(a), "r"(b), "l"(c));
   return d;
 }
+// base + token * token_stride + page * page_stride as 32 x 32 + 64-bit multiply-adds: in C++, nvcc
+// added one 64-bit offset to each base (some 15 instructions for a stage's three sources)
+__device__ __forceinline__ const uint8_t* paged_source(const uint8_t* base, uint32_t page, uint32_t page_stride,
+                                                       uint32_t token, uint32_t token_stride) {
+  return mad_wide(page, page_stride, mad_wide(token, token_stride, base));
+}
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -456,11 +462,6 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         const int page = pages[u];  // negative: no page, the copies write zeros
         const uint32_t in_page = static_cast<uint32_t>(C::kFused ? chunk_pos(chunk, u) : pos_of(first_tile + u)) & page_mask;
         const uint32_t page_index = static_cast<uint32_t>(max(page, 0));  // a page to point at when there is none
-        // base + in_page * token stride + page * page stride as 32 x 32 + 64-bit multiply-adds: in
-        // C++, nvcc added one 64-bit offset to each base (some 15 instructions for the three sources)
-        auto source = [&](const uint8_t* base, uint32_t page_stride, uint32_t token_stride) {
-          return mad_wide(page_index, page_stride, mad_wide(in_page, token_stride, base));
-        };
         const uint32_t dst = stage + u * C::kStageBytes;
         if constexpr (kRowCopies) {
 #pragma unroll
@@ -469,20 +470,21 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
             const uint32_t row_in_page = (in_page + row_delta + j * kRowTokens) & page_mask;
             const uint32_t row_page_index = static_cast<uint32_t>(max(row_page, 0));
             const uint32_t at = data_dst + dst + C::data_offset(j * kRowTokens);
-            cp_async<16>(at, mad_wide(row_page_index, data_page_stride, mad_wide(row_in_page, data_token_stride, k_src)), row_page);
-            cp_async<16>(at + C::kDataStage, mad_wide(row_page_index, data_page_stride, mad_wide(row_in_page, data_token_stride, v_src)),
+            cp_async<16>(at, paged_source(k_src, row_page_index, data_page_stride, row_in_page, data_token_stride), row_page);
+            cp_async<16>(at + C::kDataStage, paged_source(v_src, row_page_index, data_page_stride, row_in_page, data_token_stride),
                          row_page);
           }
         } else {
-          const uint8_t* k = source(k_src, data_page_stride, data_token_stride);
-          const uint8_t* v = source(v_src, data_page_stride, data_token_stride);
+          const uint8_t* k = paged_source(k_src, page_index, data_page_stride, in_page, data_token_stride);
+          const uint8_t* v = paged_source(v_src, page_index, data_page_stride, in_page, data_token_stride);
 #pragma unroll
           for (int b = 0; b < C::kDataBytes; b += 32) {
             cp_async<16>(data_dst + dst + b, k + b, page);
             cp_async<16>(data_dst + dst + C::kDataStage + b, v + b, page);
           }
         }
-        cp_async<C::kScaleBytes>(scale_dst + dst, source(scale_src, scale_page_stride, scale_token_stride), page);
+        cp_async<C::kScaleBytes>(scale_dst + dst, paged_source(scale_src, page_index, scale_page_stride, in_page, scale_token_stride),
+                                 page);
       }
     }
     cp_async_commit();
