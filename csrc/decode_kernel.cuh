@@ -206,10 +206,12 @@ struct Config {
   // loads conflict more (ncu: 2.6 ways on average), and yet on an H200 it ran 4.5-5 % faster back
   // to back (64 x 8192 173.3-174.2 against 181.6-182.0 us, 1 x 131072 55.3-55.7 against 58.0-58.4, 8 x
   // 32768 and 32 x 8192 alike: results/h200-2026-12-01-06016e9/).  Why is not known: the loop's
-  // instructions are the same (1206 against 1207), both sizes take sm_90's 164 KB carveout step, and at ncu's
-  // locked clock it is as much faster (IPC 2.83 against 2.73, with 2.6-way conflicts on its loads).  Unpadded,
-  // the static kernels lost up to 11 % at D 256 (128 x 512 74 -> 82 us) and were flat to 3 % slower at
-  // D 128 and 64, and the two-row-tile fused kernel and hd64's were flat or slower: they keep the pad.
+  // instructions are the same (1206 against 1207), and at ncu's locked clock it is as much faster (IPC 2.83
+  // against 2.73, with 2.6-way conflicts on its loads).  It is not mainly the banks, nor the carveout: a
+  // 160-byte pad, bank for bank 32's, ran 0.8-1.4 % behind unpadded, and the largest carveout left 32 as
+  // slow (results/h200-2026-12-01-bc5c76e/).  Unpadded, the static kernels lost up to 11 % at D 256 (128 x
+  // 512 74 -> 82 us) and were flat to 3 % slower at D 128 and 64, and the two-row-tile fused kernel and
+  // hd64's were flat or slower: they keep the pad.
   static constexpr int kRowPad = kFused && kRowTiles == 1 && kHeadDim == 128 ? 0 : 32;
   static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * kRowPad; }
   static constexpr int kDataStage = data_offset(kTileTokens);
