@@ -1,6 +1,8 @@
 """How fast plain torch streaming runs at the decode grids' sizes, timed as the benchmark times (isolated
 replays and back to back, nvfp4_backend.bench.time_graph): a read-only reduction and a copy of the same
-bytes.  Whether the isolated timing of a ~50-200 us kernel can reach the copy ceiling at all.
+bytes.  Whether the isolated timing of a ~50-200 us kernel can reach the copy ceiling at all.  Compare
+with the sum: the graph-captured copy ran far below the benchmark's eager 4 GiB copy on an H200 (2.4-2.8
+against 4.29 TB/s, results/h200-2026-12-01-bc5c76e/), for reasons not examined.
 
     python3 scripts/read_ceiling.py [--mb 75.5,151,604,2416]
 """
