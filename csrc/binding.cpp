@@ -107,6 +107,27 @@ void set_cache(Params& p, const Tensor& k_data, const Tensor& k_sf, const Tensor
   p.scale_strides = strides_of(k_sf);
 }
 
+// The fields both attention ops' params share: q and out rows, the batch's index tensors, the
+// global scales and the sinks.
+template <typename Params>
+void set_attention_io(Params& p, Tensor& out, const Tensor& q, const Tensor& block_table, const Tensor& seq_lens,
+                      const Tensor& query_start_loc, const Tensor& k_global, const Tensor& v_global,
+                      const std::optional<Tensor>& sinks) {
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.query_start_loc = query_start_loc.data_ptr<int>();
+  p.k_global_scale = k_global.data_ptr<float>();
+  p.v_global_scale = v_global.data_ptr<float>();
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+}
+
 // KV mode "hadamard" for the writer and the decode kernel: the flag and format.hadamard_transform's
 // multiplier float32(1/sqrt(D)), rounded from double as Python does.
 template <typename Params>
@@ -169,51 +190,72 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   CHECK_ARG(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
 
-void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
-               const Tensor& block_table, const Tensor& seq_lens, const Tensor& out_start, int64_t max_seq_len,
-               Tensor& k_out, Tensor& v_out) {
-  CHECK_CUDA(k_out);
-  const c10::cuda::CUDAGuard guard(k_out.device());
-  // lighter than check_cache: 8-byte data reads, single scale bytes (vLLM's inline pages qualify)
+// Checks shared by the attention ops: q and out rows, the index tensors.
+void check_attention_io(const Tensor& out, const Tensor& q, const Tensor& block_table, const Tensor& seq_lens,
+                        const Tensor& query_start_loc) {
+  CHECK_ARG(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
+  check_rows_aligned(q, "q");
+  check_rows_aligned(out, "out");
+  CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous() && block_table.stride(1) == 1,
+              "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
+}
+
+void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
+                   const Tensor& v_sf, const Tensor& block_table, const Tensor& seq_lens, const Tensor& query_start_loc,
+                   const Tensor& k_global, const Tensor& v_global, double softmax_scale, int64_t sliding_window,
+                   double logits_soft_cap, const std::optional<Tensor>& sinks, int64_t min_query_len,
+                   c10::string_view rotation) {
+  CHECK_CUDA(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  // lighter than check_cache: 4-byte pieces of data rows (16-byte ones where every row allows them),
+  // whole scale rows, any page size: every layout, vLLM's inline pages of any shape included
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
-    CHECK_ARG(t->device() == k_out.device(), "cache tensors must be on ", k_out.device(), ", got ", t->device());
+    CHECK_ARG(t->device() == q.device(), "cache tensors must be on ", q.device(), ", got ", t->device());
     CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
-                "cache tensors must be 4-D uint8 with a contiguous last dimension");
+              "cache tensors must be 4-D uint8 with a contiguous last dimension");
   }
+  CHECK_ARG(v_data.sizes() == k_data.sizes() && k_sf.sizes() == v_sf.sizes() && k_sf.size(3) * 8 == k_data.size(3) &&
+                k_sf.size(0) == k_data.size(0) && k_sf.size(1) == k_data.size(1) && k_sf.size(2) == k_data.size(2),
+            "the cache tensors' shapes disagree: k_data ", k_data.sizes(), ", k_block_scales ", k_sf.sizes());
   CHECK_ARG(k_data.strides() == v_data.strides() && k_sf.strides() == v_sf.strides(),
-              "K and V cache tensors must have identical strides");
+            "K and V cache tensors must have identical strides");
+  const int64_t scale_bytes = k_sf.size(3);
   for (const Tensor* t : {&k_data, &v_data})
-    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0 && t->stride(0) % 8 == 0 && t->stride(1) % 8 == 0 &&
-                    t->stride(2) % 8 == 0,
-                "gather_kv reads cache data in 8-byte pieces: pointers and strides must be multiples of 8");
-  CHECK_ARG(k_out.sizes() == v_out.sizes() && k_out.dtype() == v_out.dtype() && k_out.is_contiguous() &&
-                  v_out.is_contiguous() && k_out.dim() == 3 && k_out.size(1) == k_data.size(2) &&
-                  k_out.size(2) == 2 * k_data.size(3) && k_out.size(2) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(k_out.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(v_out.data_ptr()) % 16 == 0,
-              "k_out and v_out must be contiguous [rows, num_kv_heads, head_dim] tensors of one dtype");
-  CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
-                  block_table.stride(1) == 1 && out_start.scalar_type() == at::kLong && out_start.is_contiguous() &&
-                  out_start.numel() == seq_lens.numel() && block_table.size(0) >= seq_lens.numel(),
-              "block_table and seq_lens must be int32, out_start int64 with one entry per request");
-  CHECK_ARG(seq_lens.numel() <= 65535, "gather_kv serves at most 65535 requests per call (one grid row each), got ",
-              seq_lens.numel());
-  nvfp4::GatherKVParams p{};
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 &&
+                  t->stride(2) % 4 == 0,
+              "paged_prefill reads cache data in 4-byte pieces: pointers and strides must be multiples of 4");
+  for (const Tensor* t : {&k_sf, &v_sf})
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0 && t->stride(0) % scale_bytes == 0 &&
+                  t->stride(1) % scale_bytes == 0 && t->stride(2) % scale_bytes == 0,
+              "block-scale pointers and strides must be multiples of ", scale_bytes, " bytes, got strides ", t->strides());
+  check_attention_io(out, q, block_table, seq_lens, query_start_loc);
+  const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
+  CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256, "paged_prefill takes head_dim 64, 128 or 256, got ",
+            head_dim);
+  CHECK_ARG(group >= 1 && group <= nvfp4::kPrefillRows && group * num_kv_heads == q.size(1), "q's ", q.size(1),
+            " heads must be a multiple (at most ", nvfp4::kPrefillRows, "x) of the cache's ", num_kv_heads, " kv heads");
+  nvfp4::PrefillParams p{};
+  set_attention_io(p, out, q, block_table, seq_lens, query_start_loc, k_global, v_global, sinks);
   set_cache(p, k_data, k_sf, v_data, v_sf);
-  p.block_table = block_table.data_ptr<int>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.out_start = out_start.data_ptr<int64_t>();
-  p.k_out = k_out.data_ptr();
-  p.v_out = v_out.data_ptr();
-  p.batch = seq_lens.numel();
-  p.num_kv_heads = k_data.size(2);
-  p.head_dim = k_out.size(2);
+  p.softmax_scale = softmax_scale;
+  p.logits_soft_cap = logits_soft_cap;
+  p.sliding_window = sliding_window;
+  set_rotation(p, rotation, head_dim);
+  p.batch = seq_lens.size(0);
+  p.num_kv_heads = num_kv_heads;
+  p.group_size = group;
+  p.head_dim = head_dim;
   p.page_size = k_data.size(1);
-  p.max_seq_len = max_seq_len;
-  p.dtype = query_type(k_out, "k_out");
-  const cudaError_t err = nvfp4::launch_gather_kv(p, c10::cuda::getCurrentCUDAStream(k_out.device().index()));
-  CHECK_ARG(err == cudaSuccess, "nvfp4 gather_kv launch failed: ", cudaGetErrorString(err));
+  p.tile_tokens = nvfp4::kPrefillRows / group;
+  const int64_t num_tiles = q.size(0) / p.tile_tokens + p.batch;  // room for every request's tiles
+  CHECK_ARG(num_tiles < (int64_t(1) << 31), "paged_prefill takes fewer than 2^31 query tiles, got ", num_tiles);
+  p.num_tiles = static_cast<int>(num_tiles);
+  p.min_query_len = static_cast<int>(std::max<int64_t>(min_query_len, 1));
+  p.dtype = query_type(q, "q");
+  const cudaError_t err = nvfp4::launch_paged_prefill(p, c10::cuda::getCurrentCUDAStream(q.device().index()));
+  CHECK_ARG(err == cudaSuccess, "nvfp4 paged_prefill launch failed: ", cudaGetErrorString(err));
 }
 
 void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
@@ -230,13 +272,7 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   CHECK_ARG(max_rows > 0 && max_rows <= nvfp4::decode_max_rows(head_dim), "max_query_len * group_size = ",
               max_rows, " exceeds the decode kernel's ", nvfp4::decode_max_rows(head_dim), " rows at head_dim ",
               head_dim);
-  CHECK_ARG(out.sizes() == q.sizes() && out.dtype() == q.dtype() && out.stride(2) == 1, "out must match q");
-  check_rows_aligned(q, "q");
-  check_rows_aligned(out, "out");
-  CHECK_ARG(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
-                  query_start_loc.is_contiguous() && block_table.stride(1) == 1,
-              "block_table, seq_lens and query_start_loc must be int32 (contiguous rows)");
+  check_attention_io(out, q, block_table, seq_lens, query_start_loc);
   CHECK_ARG(num_splits >= 1 && num_splits <= nvfp4::kMaxSplits, "num_splits must lie in [1, ", nvfp4::kMaxSplits,
               "], got ", num_splits);
   CHECK_ARG(heads_per_block == 1 || heads_per_block == 2 || heads_per_block == 4 || (fused && heads_per_block == 8),
@@ -258,20 +294,8 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
     CHECK_ARG(reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0, "workspace must be 16-byte aligned");
   }
   nvfp4::DecodeParams p{};
-  p.q = q.data_ptr();
-  p.out = out.data_ptr();
-  p.q_stride_token = q.stride(0);
-  p.q_stride_head = q.stride(1);
-  p.out_stride_token = out.stride(0);
-  p.out_stride_head = out.stride(1);
+  set_attention_io(p, out, q, block_table, seq_lens, query_start_loc, k_global, v_global, sinks);
   set_cache(p, k_data, k_sf, v_data, v_sf);
-  p.block_table = block_table.data_ptr<int>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.query_start_loc = query_start_loc.data_ptr<int>();
-  p.k_global_scale = k_global.data_ptr<float>();
-  p.v_global_scale = v_global.data_ptr<float>();
-  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   float* ws = reinterpret_cast<float*>(workspace.data_ptr());
   p.partial_out = ws;
   p.partial_max = ws + partial_floats * head_dim;
@@ -301,17 +325,19 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_data, Tensor(b!) k_block_scales, "
         "Tensor(c!) v_data, Tensor(d!) v_block_scales, Tensor k_global_scale, Tensor v_global_scale, "
         "str scale_rule, str rotation) -> ()");
-  m.def("gather_kv(Tensor k_data, Tensor k_block_scales, Tensor v_data, Tensor v_block_scales, Tensor block_table, "
-        "Tensor seq_lens, Tensor out_start, int max_seq_len, Tensor(a!) k_out, Tensor(b!) v_out) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
         "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
         "str rotation, int heads_per_block=1, bool fused=False) -> ()");
+  m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
+        "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+        "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
+        "float logits_soft_cap, Tensor? sinks, int min_query_len, str rotation) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {
   m.impl("write_kv", &write_kv);
-  m.impl("gather_kv", &gather_kv);
+  m.impl("paged_prefill", &paged_prefill);
   m.impl("paged_attention", &paged_attention);
 }

@@ -73,23 +73,36 @@ struct DecodeParams {
   float hadamard_scale;
 };
 
-//! \brief Dequantize the cached K/V of a batch into dense rows: the extend path's SDPA input.
-//! Values are e2m1 x e4m3, without the global scales: exact in fp16 and bf16.
-struct GatherKVParams {
-  const uint8_t* k_data; const uint8_t* v_data;           // 8-byte aligned rows
+//! \brief Paged attention of long ragged queries (prefill, chunked prefill) over an NVFP4 cache, in one
+//! launch: blocks of 64 packed query rows (tokens x the group of q heads of one kv head) over
+//! dequantized KV tiles.  The grid (q tokens / tile_tokens + batch, kv heads) needs no host lengths.
+struct PrefillParams {
+  const void* q;  void* out;                   // [num_tokens, num_q_heads, head_dim] fp16/bf16
+  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;   // elements
+  const uint8_t* k_data; const uint8_t* v_data;
   const uint8_t* k_block_scales; const uint8_t* v_block_scales;
   PageStrides data_strides, scale_strides;
-  const int* block_table; int64_t block_table_stride;     // [batch, max_pages] page indices
-  const int* seq_lens;                                     // [batch] positions to gather
-  const int64_t* out_start;                                // [batch] first output row of each request
-  void* k_out; void* v_out;                                // [rows, num_kv_heads, head_dim] contiguous
-  int batch, num_kv_heads, head_dim, page_size, max_seq_len;
+  const int* block_table; int64_t block_table_stride;   // [batch, max_pages] page indices
+  const int* seq_lens;                                  // [batch] cache positions per request
+  const int* query_start_loc;                           // [batch + 1]
+  const float* k_global_scale; const float* v_global_scale;
+  const float* sinks;                                   // [num_q_heads] logits, or nullptr
+  float softmax_scale, logits_soft_cap;                 // soft cap 0 = off
+  int sliding_window;                                   // 0 = off; else visible tokens incl. own
+  int batch, num_kv_heads, group_size, head_dim, page_size;
+  int tile_tokens;      // query tokens per block: kPrefillRows / group_size
+  int num_tiles;        // the grid's x: num_tokens / tile_tokens + batch (room for every request's tiles)
+  int min_query_len;    // requests with fewer query tokens are left alone (the decode kernel serves them)
   QueryType dtype;
+  bool hadamard;        // KV mode "hadamard": q rotated by H, the output rotated back (as DecodeParams)
+  float hadamard_scale;
 };
 
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
-cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream);
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
+cudaError_t launch_paged_prefill(const PrefillParams& p, cudaStream_t stream);
+//! Packed query rows (tokens x group size) one prefill thread block holds.
+constexpr int kPrefillRows = 64;
 //! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
 int decode_max_rows(int head_dim);
 //! Whether a block may serve 1 << heads_per_block_log2 kv heads: plain decode (max_rows ==

@@ -297,7 +297,7 @@ def bench_flashinfer(fi, batch: UniformBatch, args, device, ws) -> list[dict]:
 
 def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dict]:
     """An extend of ``new`` tokens per request over ``ctx`` cached ones (causal), this project's
-    path (the op picks the decode kernel or the dense SDPA path) vs FlashInfer's paged prefill,
+    path (the op picks the decode or the prefill kernel) vs FlashInfer's paged prefill,
     both timed eagerly (launch costs included, as an engine's prefill pays them)."""
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
     batch = uniform_batch(B, ctx + new, page_size, args, device, gen)
@@ -309,7 +309,7 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
     # eager for every implementation: the dense path reads lengths on the host and cannot be
     # captured, so graph replays of the peer would not compare like with like
     t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
-    path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
+    path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "prefill kernel"
     rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
                  tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
     if fi is not None:

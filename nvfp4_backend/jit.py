@@ -24,12 +24,16 @@ from . import format as fmt
 
 log = logging.getLogger("nvfp4_backend")
 
-KERNEL_SOURCES = ("write_kv.cu", "gather_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
-                  "paged_decode_hd256.cu")
+KERNEL_SOURCES = ("write_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
+                  "paged_decode_hd256.cu", "paged_prefill.cu", "paged_prefill_hd64.cu", "paged_prefill_hd128.cu",
+                  "paged_prefill_hd256.cu")
 BINDING_SOURCE = "binding.cpp"
 MAX_DECODE_ROWS = 64
-"""Query rows (q_len x group size) one decode thread block serves; longer extends take the
-dequantize + dense attention path."""
+"""Query rows (q_len x group size) one decode thread block serves; longer extends take the prefill
+kernel."""
+PREFILL_ROWS = 64
+"""Packed query rows (tokens x group size) one prefill thread block holds (csrc kPrefillRows): the
+largest group the prefill kernel serves."""
 
 
 def csrc_dir() -> Path:
@@ -209,3 +213,9 @@ def decode_max_rows(head_dim: int) -> int:
 def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:
     """Whether one decode thread block holds all query rows of a (request, kv head)."""
     return 0 < max_query_len * group_size <= decode_max_rows(head_dim)
+
+
+def decode_query_len(group_size: int, head_dim: int) -> int:
+    """The longest query (tokens) the decode kernel serves at this group size; longer ones are the
+    prefill kernel's (0: none)."""
+    return decode_max_rows(head_dim) // group_size if group_size > 0 else 0

@@ -9,7 +9,6 @@ a ``ValueError``/``TypeError`` naming the argument and nothing is written.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -349,13 +348,16 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     from . import jit
     if not (isinstance(num_sms, int) and num_sms > 0):
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    # the decode kernel's share of the call: queries up to decode_query_len tokens (longer ones are
+    # the prefill kernel's, which needs no plan)
+    max_query_len = min(max_query_len, jit.decode_query_len(group_size, head_dim))
+    if max_query_len < 1:
+        return AttentionPlan(1, 0)
     if heads_per_block is not None:
         _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block, head_dim, bool(fused))
     if fused and not fused_allowed(head_dim, group_size, max_query_len, heads_per_block or 1):
         raise ValueError(f"fused needs head_dim 64 or 128 and max_query_len x group_size <= 16, got head_dim "
                          f"{head_dim}, max_query_len {max_query_len}, group_size {group_size}")
-    if not jit.decode_supports(group_size, max_query_len, head_dim):
-        return AttentionPlan(1, 0)  # the dense extend path: no split workspace
     rows = max_query_len * group_size
 
     def plan(splits: int, heads_per_block: int, fused: bool = False) -> AttentionPlan:
@@ -391,14 +393,22 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                     max_query_len: int | None = None, sliding_window: int | None = None,
                     logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, plan: AttentionPlan | None = None,
-                    workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of ragged queries over the paged NVFP4 cache.
+                    workspace: torch.Tensor | None = None, seq_lens_cpu: torch.Tensor | None = None,
+                    query_start_loc_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ragged queries over the paged NVFP4 cache: decode, speculative decode, prefill,
+    chunked prefill, or a batch mixing them.
 
     q: [tokens, q_heads, D] fp16/bf16; request b owns rows query_start_loc[b]:query_start_loc[b+1]
     and sees its first seq_lens[b] cache positions (those rows are the last q_len of them;
     bottom-right causal mask).  block_table: [batch, max_pages] int32 page indices.
     Returns ``out`` ([tokens, q_heads, D], q's dtype), allocated when not given.
+
+    Nothing is read back from the GPU when ``max_query_len`` and ``plan`` are given, or when the
+    lengths are also given on the host (``seq_lens_cpu``, ``query_start_loc_cpu``: the engines have
+    them), so the call captures in a CUDA graph; with ``out`` and ``workspace`` given too it
+    allocates nothing.
     """
+    from . import jit
     cache = _check_cache(cache)
     dev = cache.device
     _check_tensor("q", q, QUERY_DTYPES, 3, dev)
@@ -406,6 +416,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"q has head_dim {q.shape[2]} but the cache has head_dim {cache.head_dim}")
     if q.shape[1] % cache.num_kv_heads:
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {cache.num_kv_heads} kv heads")
+    if dev.type == "cuda" and q.shape[1] // cache.num_kv_heads > jit.PREFILL_ROWS:
+        raise ValueError(f"q has {q.shape[1]} heads, {q.shape[1] // cache.num_kv_heads} per kv head: the kernels take "
+                         f"at most {jit.PREFILL_ROWS} q heads per kv head")
     if q.stride(-1) != 1:
         raise ValueError(f"q must be contiguous in its last dimension, got strides {q.stride()}")
     _check_tensor("block_table", block_table, (torch.int32,), 2, dev)
@@ -445,16 +458,24 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if _host_checks():  # on every path, so the rule does not depend on the device; under
         for name, t in (("q", q), ("out", out)):  # torch.compile the binding checks the kernel's inputs
             _check_rows_aligned(name, t)
+    for name, t, n in (("seq_lens_cpu", seq_lens_cpu, batch), ("query_start_loc_cpu", query_start_loc_cpu, batch + 1)):
+        if t is not None:
+            _check_tensor(name, t, (torch.int32, torch.int64), 1, torch.device("cpu"))
+            if t.shape[0] != n:
+                raise ValueError(f"{name} must have {n} entries, got {t.shape[0]}")
     if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
+        qsl = query_start_loc if query_start_loc_cpu is None else query_start_loc_cpu
+        max_query_len = int((qsl[1:] - qsl[:-1]).max()) if batch else 0
     if plan is None:
-        max_seq_len = int(seq_lens.max()) if batch else 0
+        lens = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+        max_seq_len = int(lens.max()) if batch else 0
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
                               max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major, device=dev)
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
-    if max_query_len > 0:  # no query rows at all: nothing runs, whatever the plan
-        _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, max_query_len,
+    decode_len = min(max_query_len, jit.decode_query_len(q.shape[1] // cache.num_kv_heads, cache.head_dim))
+    if decode_len > 0:  # no decode rows at all: the plan is not used
+        _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, decode_len,
                                plan.heads_per_block, cache.head_dim, plan.fused)
     if workspace is None:
         workspace = plan.allocate_workspace(dev)
@@ -507,124 +528,37 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none",
                           heads_per_block=1, fused=False) -> None:
+    """Requests of up to decode_query_len tokens take the decode kernel (one block per request and
+    kv head holds all their rows), longer ones the prefill kernel, launched after it on the same
+    stream; a layout the decode kernel cannot read (_kernel_aligned) leaves every request to the
+    prefill kernel.  Off CUDA, or without the kernels, the reference."""
     from . import jit
-    kernel = (q.is_cuda and jit.kernels_available(q.device) and _kernel_aligned(k_data, k_block_scales, v_data)
-              and jit.decode_supports(q.shape[1] // k_data.shape[2], max_query_len, q.shape[2]))
-    if kernel:
-        jit.load(q.device).paged_attention(
-            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
-            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, max_query_len,
-            num_splits, workspace, rotation, heads_per_block, fused)
+    if not (q.is_cuda and jit.kernels_available(q.device)):
+        rotated = rotation == "hadamard"
+        cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
+        res = reference.paged_attention_ref(_rotate(q) if rotated else q, cache, block_table, seq_lens,
+                                            query_start_loc, k_global_scale, v_global_scale, softmax_scale,
+                                            sliding_window or None, logits_soft_cap or None, sinks)
+        if rotated:  # the fp32 result rotated back, then rounded once into out
+            res = _rotate(res)
+        # rows that belong to no request are left as they were, as the kernels leave them
+        first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+        out[first:last].copy_(res[first:last])
         return
-    rotated = rotation == "hadamard"
-    cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
-    args = (_rotate(q) if rotated else q, cache, block_table, seq_lens, query_start_loc, k_global_scale,
-            v_global_scale, softmax_scale, sliding_window or None, logits_soft_cap or None, sinks)
-    res = extend_attention(*args) if q.is_cuda else reference.paged_attention_ref(*args)
-    if rotated:  # the fp32 result rotated back, then rounded once into out
-        res = _rotate(res)
-    # rows that belong to no request are left as they were, as the kernel leaves them
-    first, last = int(query_start_loc[0]), int(query_start_loc[-1])
-    out[first:last].copy_(res[first:last])
-
-
-EXTEND_CHUNK_TOKENS = 4096
-"""Query rows per dense step of the extend path: bounds its score buffer."""
-EXTEND_GATHER_TOKENS = 1 << 16
-"""Padded cache positions one dequantization of the SDPA extend path may cover: requests are
-gathered together (shortest first) up to this, one request at least."""
-EXTEND_GATHER_REQUESTS = 65535
-"""Requests one dequantization may cover: the gather kernel's grid has one row per request, and a
-CUDA grid's y dimension holds at most 65535."""
-
-
-def _gather_kernel_serves(cache: PagedKVCache) -> bool:
-    """The gather kernel reads 8-byte pieces of data rows (any page size, single scale bytes), K and
-    V through one set of strides (what its binding checks)."""
-    from . import jit
-    return (cache.device.type == "cuda" and cache.head_dim in fmt.SUPPORTED_HEAD_DIMS
-            and jit.kernels_available(cache.device)
-            and cache.k_data.stride() == cache.v_data.stride()
-            and cache.k_block_scales.stride() == cache.v_block_scales.stride()
-            and all(t.data_ptr() % 8 == 0 and all(st % 8 == 0 for st in t.stride()[:3])
-                    for t in (cache.k_data, cache.v_data)))
-
-
-def extend_attention(q, cache, block_table, seq_lens, query_start_loc, k_global_scale, v_global_scale,
-                     softmax_scale, sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
-    """Long extends (prefill, chunked prefill) on a GPU: dequantize the requests' pages into a
-    dense K/V workspace once (several requests per pass, up to EXTEND_GATHER_TOKENS padded
-    positions; the gather kernel where it serves the layout), then dense attention per request.
-    Prefill is compute-bound, so reading the NVFP4 pages once per request and layer is not the
-    cost that matters here.
-
-    Plain causal attention goes to torch's SDPA (FlashAttention / cuDNN on GPUs) with K/V in fp16
-    (bf16 for queries past fp16's range) WITHOUT the global scales: e2m1 x e4m3 products are exact
-    there, so the workspace is lossless, and the scales fold into the softmax scale (K) and the
-    output (V).  A window, soft-cap or sinks take the reference math in fp32, its score buffer
-    bounded by EXTEND_CHUNK_TOKENS query rows.
-    """
-    from . import jit
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    plain = not sliding_window and not logits_soft_cap and sinks is None
-    if plain:
-        from torch.nn.attention.bias import causal_lower_right
-        one = torch.ones((), dtype=torch.float32, device=q.device)
-        scale = float(softmax_scale) * float(k_global_scale)
-        # fp16 holds the workspace exactly too (|e2m1 x e4m3| <= 2688) and rounds P and the output
-        # 8x finer than bf16, so bf16 queries run in fp16 unless they exceed its range
-        work = torch.float16 if q.dtype == torch.float16 or float(q.abs().amax()) < 6e4 else q.dtype
-    live = [b for b in range(len(lens)) if qsl[b + 1] > qsl[b]]
-    if plain:
-        # one dequantization per group of requests instead of one per request: launches and host
-        # reads, not bytes, dominated short prefills (the torch-op version took ~90 ops per group)
-        groups, group = [], []
-        for b in sorted(live, key=lens.__getitem__):
-            if group and ((len(group) + 1) * lens[b] > EXTEND_GATHER_TOKENS
-                          or len(group) == EXTEND_GATHER_REQUESTS):
-                groups.append(group)
-                group = []
-            group.append(b)
-        groups += [group] if group else []
-        gather = jit.load(q.device).gather_kv if _gather_kernel_serves(cache) else None
-        for group in groups:
-            idx = torch.tensor(group, device=block_table.device)
-            if gather is not None:  # the requests' positions packed into rows, one kernel launch
-                starts = list(itertools.accumulate((lens[b] for b in group), initial=0))
-                k = torch.empty((starts[-1], cache.num_kv_heads, cache.head_dim), dtype=work, device=q.device)
-                v = torch.empty_like(k)
-                gather(*cache.tensors(), block_table[idx], seq_lens[idx],
-                       torch.tensor(starts[:-1], dtype=torch.int64).to(q.device, non_blocking=True),
-                       max(lens[b] for b in group), k, v)
-                rows = [(k[a:z], v[a:z]) for a, z in zip(starts, starts[1:])]
-            else:
-                k, v = reference.gather_kv_ref(cache, block_table[idx], seq_lens[idx], one, one, work)
-                rows = [(k[i, :lens[b]], v[i, :lens[b]]) for i, b in enumerate(group)]
-            for b, (kb, vb) in zip(group, rows):
-                q_begin, q_end, seq_len = qsl[b], qsl[b + 1], lens[b]
-                # [1, heads, tokens, D]; q head h reads kv head h // group size (enable_gqa: no copies)
-                kh, vh = (x.transpose(0, 1)[None] for x in (kb, vb))
-                qh = q[q_begin:q_end].to(work).transpose(0, 1)[None]
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    qh, kh, vh, attn_mask=causal_lower_right(q_end - q_begin, seq_len), scale=scale,
-                    enable_gqa=True)
-                out[q_begin:q_end] = o[0].transpose(0, 1).float() * v_global_scale
-        return out
-    for b in live:
-        q_begin, q_end, seq_len = qsl[b], qsl[b + 1], lens[b]
-        k, v = reference.gather_kv_ref(cache, block_table[b:b + 1], seq_lens[b:b + 1], k_global_scale,
-                                       v_global_scale)
-        for start in range(q_begin, q_end, EXTEND_CHUNK_TOKENS):
-            stop = min(start + EXTEND_CHUNK_TOKENS, q_end)
-            # rows start..stop are the last (q_end - start) positions of a shorter virtual request
-            visible = seq_len - (q_end - stop)
-            loc = torch.tensor([0, stop - start], dtype=torch.int32, device=q.device)
-            out[start:stop] = reference.attention_ref(
-                q[start:stop], k[:, :visible], v[:, :visible], seq_lens.new_tensor([visible]), loc, softmax_scale,
-                sliding_window, logits_soft_cap, sinks)
-    return out
+    kernels = jit.load(q.device)
+    decode_len = jit.decode_query_len(q.shape[1] // k_data.shape[2], q.shape[2])
+    if not _kernel_aligned(k_data, k_block_scales, v_data):
+        decode_len = 0
+    if decode_len > 0 and max_query_len > 0:
+        kernels.paged_attention(
+            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
+            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks,
+            min(max_query_len, decode_len), num_splits, workspace, rotation, heads_per_block, fused)
+    if max_query_len > decode_len:
+        kernels.paged_prefill(
+            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
+            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len + 1,
+            rotation)
 
 
 _lib.impl("paged_attention", _paged_attention_impl, "CPU")

@@ -289,60 +289,6 @@ def test_plans_run_the_kernel_they_name(q_len, warps, layout, gen):
     assert names and all(re.search(kernel, n) for n in names), names
 
 
-# ----------------------------------------------------------------------------- extend (prefill) path
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gather_kv_bit_exact(layout, head_dim, dtype, gen):
-    """The gather kernel's packed rows == the reference's dequantization (no global scale), bit for
-    bit, over every scale byte (NaN, zero and subnormal scales included); every row is written."""
-    page_size = 1 if layout == "token_rows" else 16
-    seq_lens = [0, 1, 37, 300, 16 * int(torch.randint(1, 20, (), generator=gen))]
-    pages = sum(math.ceil(s / page_size) for s in seq_lens) + 3
-    cache = make_cache(layout, pages, page_size, 3, head_dim, DEV)
-    fill_random(cache, gen, 0, 256)
-    assert ops._gather_kernel_serves(cache)
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 3, head_dim, page_size, pages, dtype, gen, DEV)
-    starts = [0] + list(itertools.accumulate(seq_lens))
-    k = torch.full((starts[-1], 3, head_dim), float("nan"), dtype=dtype, device=DEV)
-    v = torch.full_like(k, float("nan"))
-    jit.load(torch.device(DEV)).gather_kv(*cache.tensors(), batch.block_table, batch.seq_lens,
-                                          torch.tensor(starts[:-1], device=DEV), max(seq_lens), k, v)
-    one = torch.tensor(1.0, device=DEV)
-    k_ref, v_ref = reference.gather_kv_ref(cache, batch.block_table, batch.seq_lens, one, one, dtype)
-    for got, ref in ((k, k_ref), (v, v_ref)):
-        want = torch.cat([ref[b, :n] for b, n in enumerate(seq_lens)])
-        nan = torch.isnan(want)
-        assert nan.any() and torch.equal(torch.isnan(got), nan), "NaN pattern differs (or a row was not written)"
-        bits_got, bits_want = got.view(torch.int16), want.view(torch.int16)
-        assert torch.equal(bits_got[~nan], bits_want[~nan]), f"{int((bits_got != bits_want)[~nan].sum())} values differ"
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("gather_tokens", [100, 1 << 16])
-def test_extend_path_matches_reference(layout, dtype, gather_tokens, gen, monkeypatch):
-    """Prefill and chunked prefill past the decode kernel's rows (gather kernel + SDPA), requests
-    dequantized one per launch or together, a request without queries in the batch."""
-    monkeypatch.setattr(ops, "EXTEND_GATHER_TOKENS", gather_tokens)
-    page_size, kv_heads, group, head_dim = (1 if layout == "token_rows" else 16), 2, 4, 128
-    seq_lens, q_lens = [300, 700, 90, 129], [300, 200, 0, 129]  # prefill, chunked prefill, idle, prefill
-    pages = sum(math.ceil(s / page_size) for s in seq_lens) + 3
-    cache = make_cache(layout, pages, page_size, kv_heads, head_dim, DEV)
-    fill_random(cache, gen)
-    batch = make_batch(seq_lens, q_lens, kv_heads * group, head_dim, page_size, pages, dtype, gen, DEV)
-    kg, vg = _scales(gen)
-    assert not jit.decode_supports(group, batch.max_query_len, head_dim)  # the dense path serves it
-    out = torch.full_like(batch.q, float("nan"))
-    ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
-                        1 / math.sqrt(head_dim), max_query_len=batch.max_query_len, out=out)
-    ref = reference.paged_attention_ref(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                        kg, vg, 1 / math.sqrt(head_dim), dtype=torch.float64)
-    assert not torch.isnan(out).any(), "an output element was not written (or is NaN)"
-    err = rel_l2(out, ref)
-    assert err <= TOL, f"relative L2 error {err:.2e} > {TOL} ({layout}, {dtype})"
-
-
 def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_heads, window=None, soft_cap=None,
                   sinks=False, splits=None, seq_lens=None, heads_per_block=1, fused=False):
     seq_lens = seq_lens or [q_len + int(x) for x in torch.randint(0, 700, (4,), generator=gen)]
@@ -572,8 +518,8 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     ref = reference.paged_attention_ref(new_q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg,
                                         vg, 0.1, dtype=torch.float64)
     assert rel_l2(out.float(), ref) < TOL
-    # the extend path (gather kernel + SDPA) on that device: 64 new rows of request 1 (its host
-    # reads of the lengths wait for the queued work, so this part checks the device, not the stream)
+    # the prefill kernel (64 new rows of request 1) on that stream: no host read in between, so rows
+    # doubled behind the sleep must be the ones it reads
     ext_q = torch.randn(64, hkv * group, d, generator=gen).to(torch.bfloat16).to(dev)
     ext_qsl = torch.tensor([0, 0, 64, 64], dtype=torch.int32, device=dev)
     ext_out = torch.full_like(ext_q, float("nan"))
@@ -587,23 +533,6 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     ref = reference.paged_attention_ref(ext_q, cache, batch.block_table, batch.seq_lens, ext_qsl, kg, vg, 0.1,
                                         dtype=torch.float64)
     assert rel_l2(ext_out.float(), ref) < TOL
-    # the gather kernel on that stream, no host read in between: the bytes it must read are written
-    # behind a sleep on the same stream
-    starts = torch.tensor([0, 300, 1500], device=dev)  # first output row per request (300, 1200, 77)
-    rows_k = torch.full((sum(seq_lens), hkv, d), float("nan"), dtype=torch.float16, device=dev)
-    rows_v = torch.full_like(rows_k, float("nan"))
-    new_bytes = torch.randint(0, 256, cache.k_data.shape, generator=gen, dtype=torch.uint8).to(dev)
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(50_000_000)
-        cache.k_data.copy_(new_bytes)
-        jit.load(dev).gather_kv(*cache.tensors(), batch.block_table, batch.seq_lens, starts, max(seq_lens), rows_k,
-                                rows_v)
-    stream.synchronize()
-    one = torch.tensor(1.0, device=dev)
-    k_ref, _ = reference.gather_kv_ref(cache, batch.block_table, batch.seq_lens, one, one, torch.float16)
-    want = torch.cat([k_ref[b, :n] for b, n in enumerate(seq_lens)])
-    assert torch.equal(rows_k.view(torch.int16), want.view(torch.int16)), "gather_kv read the cache before the write"
     with torch.cuda.device(dev), torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

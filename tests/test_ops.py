@@ -101,71 +101,35 @@ def test_paged_attention_is_the_reference_in_q_dtype(q_dtype, make_batch, gen):
     assert torch.equal(out2, want)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4096])
-def test_extend_attention_matches_reference(chunk, make_batch, gen, monkeypatch):
-    """The GPU extend (chunked prefill) path is plain torch: check its chunking on CPU."""
+@pytest.mark.parametrize("group_size, head_dim", [(1, 64), (4, 128), (8, 128), (16, 64), (4, 256), (64, 128)])
+def test_plan_covers_the_decode_share_of_a_long_call(group_size, head_dim):
+    """A call whose queries exceed the decode kernel's rows is planned as its decode share: the
+    requests of up to decode_query_len tokens (the prefill kernel needs no plan)."""
+    share = jit.decode_query_len(group_size, head_dim)
+    assert share * group_size <= jit.decode_max_rows(head_dim) < (share + 1) * group_size
+    for max_query_len in (share + 1, 4096):
+        got = ops.plan_attention(8, 8, group_size, max_query_len, 20000, head_dim)
+        assert got == ops.plan_attention(8, 8, group_size, share, 20000, head_dim)
+
+
+def test_host_lengths_replace_device_reads(make_batch, monkeypatch):
+    """With the lengths on the host, the plan's bounds come from them (no device read) and the
+    output is the same; bad host tensors are refused by name."""
     step = make_batch((40, 9, 23), (11, 9, 1), page_size=16, num_kv_heads=2, group_size=4, head_dim=64)
-    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="HND")
+    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64)
     ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
-    sinks = torch.randn(step.q.shape[1], generator=gen)
     args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, step.k_global_scale,
-            step.v_global_scale, step.softmax_scale, 6, 8.0, sinks)
-    monkeypatch.setattr(ops, "EXTEND_CHUNK_TOKENS", chunk)
-    got = ops.extend_attention(*args)
-    want = reference.paged_attention_ref(*args)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("gather_tokens", [1, 100, 1 << 16])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_extend_attention_sdpa_path_matches_reference(dtype, gather_tokens, make_batch, gen, monkeypatch):
-    """Plain causal extends go through SDPA on a lossless q-dtype workspace (global scales folded
-    into the softmax scale and the output): the reference up to q-dtype rounding, whether the
-    requests are dequantized one per pass (1), in groups (100) or all together."""
-    monkeypatch.setattr(ops, "EXTEND_GATHER_TOKENS", gather_tokens)
-    step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
-                      q_dtype=dtype, k_global_scale=0.37, v_global_scale=3.1)
-    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
-    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
-    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(step.k_global_scale),
-            torch.tensor(step.v_global_scale), step.softmax_scale)
-    got = ops.extend_attention(*args)
-    want = reference.paged_attention_ref(*args, dtype=torch.float64)
-    assert float((got.double() - want).norm() / want.norm()) < 4e-3
-    # the workspace itself is exact: dequantized without the global scale, in fp16 or bf16
-    k64, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
-                                     torch.tensor(1.0), torch.float64)
-    for work in (torch.float16, torch.bfloat16):
-        k, _ = reference.gather_kv_ref(cache, step.block_table[:1], step.seq_lens[:1], torch.tensor(1.0),
-                                       torch.tensor(1.0), work)
-        assert torch.equal(k.double(), k64)
-
-
-def test_extend_attention_groups_do_not_change_the_result(make_batch, monkeypatch):
-    """Requests dequantized together or one per group (EXTEND_GATHER_REQUESTS = 1, as a batch past
-    the gather kernel's 65535 grid rows is split) give identical outputs."""
-    step = make_batch((40, 9, 23, 64), (11, 9, 1, 64), page_size=16, num_kv_heads=2, group_size=4, head_dim=64,
-                      q_dtype=torch.float16, k_global_scale=0.37, v_global_scale=3.1)
-    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64, layout="NHD")
-    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
-    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(step.k_global_scale),
-            torch.tensor(step.v_global_scale), step.softmax_scale)
-    together = ops.extend_attention(*args)
-    monkeypatch.setattr(ops, "EXTEND_GATHER_REQUESTS", 1)
-    assert torch.equal(ops.extend_attention(*args), together)
-
-
-def test_extend_attention_bf16_queries_past_fp16_range(make_batch):
-    step = make_batch((30,), (30,), page_size=16, num_kv_heads=1, group_size=2, head_dim=64,
-                      q_dtype=torch.bfloat16)
-    cache = PagedKVCache.allocate(step.num_pages, 16, 1, 64)
-    ops.write_kv(step.key, step.value, step.slot_mapping, cache, 1.0, 1.0)
-    q = step.q * 1e5  # past fp16's range: the bf16 workspace serves it
-    args = (q, cache, step.block_table, step.seq_lens, step.query_start_loc, torch.tensor(1.0), torch.tensor(1.0),
-            1e-6)
-    got = ops.extend_attention(*args)
-    want = reference.paged_attention_ref(*args, dtype=torch.float64)
-    assert torch.isfinite(got).all() and float((got.double() - want).norm() / want.norm()) < 1e-2
+            step.v_global_scale, step.softmax_scale)
+    want = ops.paged_attention(*args)
+    planned = []
+    monkeypatch.setattr(ops, "plan_attention", lambda *a, **k: planned.append(a) or ops.AttentionPlan(1, 0))
+    got = ops.paged_attention(*args, seq_lens_cpu=step.seq_lens.clone(), query_start_loc_cpu=step.query_start_loc.clone())
+    assert torch.equal(got, want)
+    assert planned[0][3] == 11 and planned[0][4] == 40  # max query len and max seq len from the host copies
+    with pytest.raises(ValueError, match="seq_lens_cpu must have 3 entries"):
+        ops.paged_attention(*args, seq_lens_cpu=step.seq_lens[:2].clone())
+    with pytest.raises(TypeError, match="query_start_loc_cpu must have dtype"):
+        ops.paged_attention(*args, query_start_loc_cpu=step.query_start_loc.float())
 
 
 def test_python_limits_mirror_the_kernels():

@@ -5,6 +5,7 @@
 // "ok: N checks" or the first mismatch (exit 1).  Built and run by tests/test_build.py.
 #include "../../csrc/binding.cpp"
 #include "../../csrc/paged_decode.cu"
+#include "../../csrc/paged_prefill.cu"
 
 #include <ATen/ATen.h>
 #include <cstdio>
@@ -13,7 +14,9 @@
 
 namespace nvfp4 {
 cudaError_t launch_write_kv(const WriteKVParams&, cudaStream_t) { std::abort(); }
-cudaError_t launch_gather_kv(const GatherKVParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_prefill_hd64(const PrefillParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_prefill_hd128(const PrefillParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_paged_prefill_hd256(const PrefillParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_decode_hd64(const DecodeParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_decode_hd128(const DecodeParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_decode_hd256(const DecodeParams&, cudaStream_t) { std::abort(); }

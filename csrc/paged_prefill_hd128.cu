@@ -1,0 +1,8 @@
+// Prefill kernel instantiations for head_dim 128.
+#include "prefill_kernel.cuh"
+
+namespace nvfp4 {
+cudaError_t launch_paged_prefill_hd128(const PrefillParams& p, cudaStream_t stream) {
+  return prefill::launch_for_dtype<128>(p, stream);
+}
+}  // namespace nvfp4
