@@ -34,6 +34,7 @@ using decode::unpack_word;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kValueBias = 128.0f;  // dequantized K/V carry 2^-7 (decode::kScaleBias)
+using decode::kWeightBiasLog2;        // softmax weights x 2^15: fp16 keeps them normal down to 2^-29 of the max
 
 template <int kHeadDim_, int kCopyBytes_>
 struct Config {
@@ -62,6 +63,9 @@ struct Config {
   static constexpr int kChunks = 2 * kDataBytes / kCopyBytes / kCopyThreads;  // data copies per thread
   static_assert(kCopyThreads >= 2 && kChunks * kCopyThreads * kCopyBytes == 2 * kDataBytes, "copy split");
   static constexpr int kElementsPerLane = kHeadDim / 32;  // a row across a warp (Q load, epilogue)
+  // resident blocks the registers must allow: D 64's 4 (128 registers, no spills); the others are
+  // bound by their shared memory and state (D 128: 3, D 256: 2 on sm_90)
+  static constexpr int kMinBlocks = kHeadDim == 64 ? 4 : 1;
 };
 
 // ------------------------------------------------------------------ small helpers
@@ -150,38 +154,42 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Tile&
   constexpr int E = C::kElementsPerLane;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   row_scale[0] = row_scale[1] = 1.0f;
+  uint32_t w[16][E / 2];  // every row's loads in flight before the first is used
+#pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int r = warp * 16 + i, token = r / p.group_size;
-    const bool live = token < t.tokens;
-    float x[E];
-    if (live) {
+#pragma unroll
+    for (int j = 0; j < E / 2; ++j) w[i][j] = 0u;
+    if (token < t.tokens) {
       const T* src = static_cast<const T*>(p.q) + (int64_t)(t.q_start + t.first_token + token) * p.q_stride_token +
                      (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.q_stride_head + lane * E;
-      uint32_t w[E / 2];
-      if constexpr (E == 8) *reinterpret_cast<uint4*>(w) = *reinterpret_cast<const uint4*>(src);
-      if constexpr (E == 4) *reinterpret_cast<uint2*>(w) = *reinterpret_cast<const uint2*>(src);
-      if constexpr (E == 2) w[0] = *reinterpret_cast<const uint32_t*>(src);
-#pragma unroll
-      for (int j = 0; j < E / 2; ++j) {
-        const float2 f = to_float2(w[j], T());
-        x[2 * j] = f.x;
-        x[2 * j + 1] = f.y;
-      }
-      if (p.hadamard) hadamard_row<E>(x, p.hadamard_scale);
-    } else {
-#pragma unroll
-      for (int j = 0; j < E; ++j) x[j] = 0.0f;
+      if constexpr (E == 8) *reinterpret_cast<uint4*>(w[i]) = *reinterpret_cast<const uint4*>(src);
+      if constexpr (E == 4) *reinterpret_cast<uint2*>(w[i]) = *reinterpret_cast<const uint2*>(src);
+      if constexpr (E == 2) w[i][0] = *reinterpret_cast<const uint32_t*>(src);
     }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = warp * 16 + i;
+    float x[E];
+#pragma unroll
+    for (int j = 0; j < E / 2; ++j) {  // rows past the tile's tokens are zeros
+      const float2 f = to_float2(w[i][j], T());
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    }
+    if (p.hadamard) hadamard_row<E>(x, p.hadamard_scale);
     float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < E; ++j) amax = fmaxf(amax, fabsf(x[j]));
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    // 2^e with amax * 2^e in [2^14, 2^15): fp16 holds it with room for the rounding
-    const int e = amax > 0.0f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
+    // 2^e with amax * 2^e in [2^14, 2^15): fp16 holds it with room for the rounding (e <= 127: 2^e is
+    // finite; a row that small keeps its tiny elements as fp16 subnormals or zeros)
+    const int e = amax > 0.0f && amax < INFINITY ? min(14 - ilogbf(amax), 127) : 0;
     const float up = ldexpf(1.0f, e);
-    if (i == (lane >> 2)) row_scale[0] = 1.0f / up;
-    if (i == (lane >> 2) + 8) row_scale[1] = 1.0f / up;
+    if (i == (lane >> 2)) row_scale[0] = ldexpf(1.0f, -e);
+    if (i == (lane >> 2) + 8) row_scale[1] = ldexpf(1.0f, -e);
     __half* row = q_rows + r * C::kPitch + (lane * E & ~7);
 #pragma unroll
     for (int j = 0; j < E; ++j) row[stored_at((lane * E + j) & 7)] = __float2half_rn(x[j] * up);
@@ -285,6 +293,7 @@ template <typename C>
 __device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<C>& st, float (&s)[C::kTileTokens / 8][4],
                                                int tile_start, bool masked) {
   const int lane = threadIdx.x & 31;
+  const float inv_cap = 1.0f / p.logits_soft_cap;
   float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
@@ -292,7 +301,7 @@ __device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<
     for (int i = 0; i < 4; ++i) {
       const int h = i >> 1;
       float x = s[nt][i] * st.logit_scale[h];
-      if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanh_accurate(x / p.logits_soft_cap);
+      if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanh_accurate(x * inv_cap);
       x *= kLog2e;
       if (masked) {
         const int kv = tile_start + nt * 8 + 2 * (lane & 3) + (i & 1);
@@ -318,8 +327,8 @@ __device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<
     }
 #pragma unroll
     for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
-      s[nt][2 * h] = fast_exp2(s[nt][2 * h] - base);
-      s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - base);
+      s[nt][2 * h] = fast_exp2(s[nt][2 * h] - base + kWeightBiasLog2);
+      s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - base + kWeightBiasLog2);
       st.sum[h] += s[nt][2 * h] + s[nt][2 * h + 1];
     }
   }
@@ -357,13 +366,15 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * 16 + (lane >> 2) + 8 * h;
-    float sum = st.sum[h];
+    float sum = st.sum[h];  // the thread's columns: the row's four threads add theirs up
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     float out_scale = v_scale;
-    if (p.sinks != nullptr && st.pos[h] >= 0) {
+    if (p.sinks != nullptr && st.pos[h] >= 0) {  // one more logit in the denominator, weighed as the rest
       const float sink = p.sinks[t.kv_head * p.group_size + r % p.group_size] * kLog2e;
       const float new_max = fmaxf(st.max[h], sink);
       const float rescale = fast_exp2(st.max[h] - new_max);
-      sum = sum * rescale + fast_exp2(sink - new_max);
+      sum = sum * rescale + fast_exp2(sink - new_max + kWeightBiasLog2);
       out_scale *= rescale;
     }
     out_scale = sum > 0.0f ? out_scale / sum : 0.0f;
@@ -394,7 +405,7 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
 
 // ------------------------------------------------------------------ the kernel
 template <typename T, int kHeadDim, int kCopyBytes>
-__global__ void __launch_bounds__(Config<kHeadDim, kCopyBytes>::kThreads)
+__global__ void __launch_bounds__(Config<kHeadDim, kCopyBytes>::kThreads, Config<kHeadDim, kCopyBytes>::kMinBlocks)
 paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
   using C = Config<kHeadDim, kCopyBytes>;
   extern __shared__ __align__(16) uint8_t smem[];

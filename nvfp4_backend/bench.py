@@ -36,7 +36,11 @@ def add_arguments(p) -> None:
                    help="KV modes to time (comma list of plain, 6or4, hadamard, hadamard-6or4): decode and write cost")
     p.add_argument("--prefill", default=None,
                    help="time extends instead of decode: BxCxN triples (B requests, C cached tokens, N new tokens), "
-                        "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill)")
+                        "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill); a suffix adds "
+                        "features: 1x0x16384:w4096+sinks, 4x0x4096:cap50")
+    p.add_argument("--step", default=None, nargs="?", const="all",
+                   help="time engine steps mixing decodes and prefill chunks (bench_step.MIXES; 'all' or "
+                        "indices, e.g. 0,3) against FlashInfer's same step")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None,
                    help="override the split planner's target for plain decode at D <= 128 (ops.SPLIT_BLOCKS_PER_SM); "
@@ -170,8 +174,9 @@ class UniformBatch:
         return self.table.shape[0]
 
     def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None,
-                  heads_per_block: int | None = None, fused: bool | None = None):
-        """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl)."""
+                  heads_per_block: int | None = None, fused: bool | None = None, **features):
+        """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl);
+        features: sliding_window, logits_soft_cap, sinks."""
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
@@ -180,17 +185,19 @@ class UniformBatch:
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
-                                           max_query_len=q_len, out=out, plan=plan, workspace=wsp)
+                                           max_query_len=q_len, out=out, plan=plan, workspace=wsp, **features)
         call()
         return call, out, plan, qsl
 
-    def reference(self, q: torch.Tensor, qsl: torch.Tensor, nreq: int, rotated: bool = False) -> torch.Tensor:
+    def reference(self, q: torch.Tensor, qsl: torch.Tensor, nreq: int, rotated: bool = False,
+                  sliding_window=None, logits_soft_cap=None, sinks=None) -> torch.Tensor:
         """fp64 attention of q (rows of the first nreq requests, starting at qsl) on the cache's
         bytes; rotated: q rotated in and the output back, as a Hadamard-mode cache is read."""
         h = fmt.hadamard(q.shape[-1], q.device, torch.float64) if rotated else None
         rot = (lambda x: x @ h) if rotated else (lambda x: x)
         return rot(reference.paged_attention_ref(rot(q.double()), self.cache, self.table[:nreq], self.seq[:nreq], qsl,
-                                                 self.kg, self.vg, self.scale, dtype=torch.float64))
+                                                 self.kg, self.vg, self.scale, sliding_window, logits_soft_cap, sinks,
+                                                 dtype=torch.float64))
 
     def flashinfer_paging(self):
         """(indptr, indices, last page lengths) of FlashInfer's paged-KV API."""
@@ -295,7 +302,22 @@ def bench_flashinfer(fi, batch: UniformBatch, args, device, ws) -> list[dict]:
     return rows
 
 
-def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dict]:
+def prefill_features(spec: str, q_heads: int, device) -> dict:
+    """A --prefill case's features: "w4096+sinks", "cap50" -> paged_attention's keyword arguments."""
+    features = {}
+    for part in filter(None, spec.split("+")):
+        if part.startswith("w"):
+            features["sliding_window"] = int(part[1:])
+        elif part.startswith("cap"):
+            features["logits_soft_cap"] = float(part[3:])
+        elif part == "sinks":
+            features["sinks"] = torch.randn(q_heads, device=device)
+        else:
+            raise ValueError(f"unknown prefill feature {part!r} (w<W>, cap<C>, sinks)")
+    return features
+
+
+def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws, features: str = "") -> list[dict]:
     """An extend of ``new`` tokens per request over ``ctx`` cached ones (causal), this project's
     path (the op picks the decode or the prefill kernel) vs FlashInfer's paged prefill,
     both timed eagerly (launch costs included, as an engine's prefill pays them)."""
@@ -303,14 +325,16 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
     batch = uniform_batch(B, ctx + new, page_size, args, device, gen)
     q = torch.randn(B * new, hq, d, dtype=torch.bfloat16, device=device)
     flops = 4 * B * hq * d * (new * ctx + new * (new + 1) / 2)  # QK^T and PV over the causal triangle
-    call, out, plan, qsl = batch.attention(q, new)
+    feats = prefill_features(features, hq, device)
+    call, out, plan, qsl = batch.attention(q, new, **feats)
     n = min(new, 128)  # the fp64 reference on the last n rows of request 0
-    ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1)
+    ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1, **feats)
     # eager for every implementation: the dense path reads lengths on the host and cannot be
     # captured, so graph replays of the peer would not compare like with like
     t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
     path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "prefill kernel"
-    rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
+    rows = [dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="nvfp4-backend", kv="nvfp4",
+                 path=path, us=t,
                  tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
     if fi is not None:
         for kv in ("bf16", "nvfp4"):
@@ -318,11 +342,14 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
                 kc, vc, dt, kw, _ = flashinfer_kv(kv, batch.cache, args.layout, batch.kg, batch.vg, device)
                 w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, args.layout)
                 w.plan(qsl, *batch.flashinfer_paging(), hq, hkv, d, page_size, causal=True,
-                       q_data_type=torch.bfloat16, kv_data_type=dt)
+                       q_data_type=torch.bfloat16, kv_data_type=dt,
+                       window_left=feats.get("sliding_window", 0) - 1, logits_soft_cap=feats.get("logits_soft_cap"))
                 fo = torch.empty_like(q)
-                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw), args.iters, capture=False,
+                sinks = {"sinks": feats["sinks"]} if "sinks" in feats else {}
+                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw, **sinks), args.iters, capture=False,
                                 back_to_back=False).isolated
-                row = dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="flashinfer-fa2", kv=kv, us=tf,
+                row = dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="flashinfer-fa2", kv=kv,
+                           us=tf,
                            tflops=flops / (tf * 1e-6) / 1e12)
                 if kv == "nvfp4":
                     row["rel_err"] = _rel_err(fo[new - n:new], ref)
@@ -339,11 +366,12 @@ def run_prefill(args, device, gen, fi, ws) -> int:
     rows = []
     page_size = int(args.page_sizes.split(",")[0])
     for case in args.prefill.split(","):
-        B, ctx, new = (int(x) for x in case.split("x"))
-        got = bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws)
+        shape, _, features = case.partition(":")
+        B, ctx, new = (int(x) for x in shape.split("x"))
+        got = bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws, features)
         rows += got
         for r in got:
-            print(f"B={B:3d} C={ctx:6d} N={new:5d} {r['impl']:>14s} {r['kv']:5s} {r['us']:9.1f} us "
+            print(f"B={B:3d} C={ctx:6d} N={new:5d} {features:>12s} {r['impl']:>14s} {r['kv']:5s} {r['us']:9.1f} us "
                   f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e}" if "rel_err" in r else "")
                   + (f" [{r['path']}]" if "path" in r else ""),
                   flush=True)
@@ -382,10 +410,14 @@ def run(args) -> int:
     gen.manual_seed(0)
     grid = DEFAULT_GRID if not args.grid else [tuple(int(x) for x in c.split("x")) for c in args.grid.split(",")]
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
+    if args.step:
+        from .bench_step import run_step
+        return run_step(args, device)
     fi = None if args.no_peers else _flashinfer()
     ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device) if fi is not None else None
     if args.prefill:
         return run_prefill(args, device, gen, fi, ws)
+
     copy = copy_bandwidth(device)
     meta = _meta(args, device, fi, copy_tbps=copy)
     print(f"{meta['gpu']}: copy bandwidth {copy:.2f} TB/s (read + write)", flush=True)

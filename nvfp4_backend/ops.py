@@ -531,9 +531,10 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
     """Requests of up to decode_query_len tokens take the decode kernel (one block per request and
     kv head holds all their rows), longer ones the prefill kernel, launched after it on the same
     stream; a layout the decode kernel cannot read (_kernel_aligned) leaves every request to the
-    prefill kernel.  Off CUDA, or without the kernels, the reference."""
+    prefill kernel.  Off CUDA, without the kernels, or at a head dim they were not built for, the
+    reference."""
     from . import jit
-    if not (q.is_cuda and jit.kernels_available(q.device)):
+    if not (q.is_cuda and q.shape[2] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(q.device)):
         rotated = rotation == "hadamard"
         cache = PagedKVCache(k_data, k_block_scales, v_data, v_block_scales)
         res = reference.paged_attention_ref(_rotate(q) if rotated else q, cache, block_table, seq_lens,

@@ -32,11 +32,14 @@ def _run(gen, layout, head_dim, group, dtype, seq_lens, q_lens, page_size=16, nu
     batch = make_batch(seq_lens, q_lens, num_kv_heads * group, head_dim, page_size, pages, dtype, gen, DEV)
     kg, vg = _scales(gen)
     sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
-    q = torch.cat([batch.q, torch.randn(3, *batch.q.shape[1:], generator=gen).to(dtype).to(DEV)])  # rows of no request
+    # rows of no request before and after the batch's (query_start_loc starts past 0)
+    stray = lambda n: torch.randn(n, *batch.q.shape[1:], generator=gen).to(dtype).to(DEV)
+    q = torch.cat([stray(5), batch.q, stray(3)])
+    qsl = batch.query_start_loc + 5
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
-    extra = dict(seq_lens_cpu=batch.seq_lens.cpu(), query_start_loc_cpu=batch.query_start_loc.cpu()) if host_lengths else {}
-    ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, scale,
+    extra = dict(seq_lens_cpu=batch.seq_lens.cpu(), query_start_loc_cpu=qsl.cpu()) if host_lengths else {}
+    ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, qsl, kg, vg, scale,
                         max_query_len=batch.max_query_len, sliding_window=window, logits_soft_cap=soft_cap,
                         sinks=sink_t, out=out, **extra)
     rotated = mode.rotation == "hadamard"
@@ -46,10 +49,10 @@ def _run(gen, layout, head_dim, group, dtype, seq_lens, q_lens, page_size=16, nu
                                         dtype=torch.float64)
     if rotated:
         ref = fmt.hadamard_transform(ref)
-    rows = batch.q.shape[0]
-    assert torch.isnan(out[rows:]).all(), "a row that belongs to no request was written"
-    assert not torch.isnan(out[:rows]).any(), "an output element was not written (or is NaN)"
-    err = rel_l2(out[:rows], ref)
+    rows = slice(5, 5 + batch.q.shape[0])
+    assert torch.isnan(out[:5]).all() and torch.isnan(out[rows.stop:]).all(), "a row of no request was written"
+    assert not torch.isnan(out[rows]).any(), "an output element was not written (or is NaN)"
+    err = rel_l2(out[rows], ref)
     assert err <= TOL, f"relative L2 error {err:.2e} > {TOL}"
     return err
 
@@ -121,17 +124,19 @@ def test_prefill_long_ragged(gen):
          host_lengths=True)
 
 
-def test_prefill_bf16_queries_past_fp16_range(gen):
-    """Rows are scaled by a power of two into fp16's range, so bf16 queries of 1e6 stay finite."""
+@pytest.mark.parametrize("magnitude, softmax_scale", [(1e6, 1e-7), (1e-36, 1e34), (1e-20, 1.0)])
+def test_prefill_bf16_queries_far_from_fp16_range(magnitude, softmax_scale, gen):
+    """Rows are scaled by a power of two into fp16's range (at most 2^127), so bf16 queries of 1e6 and
+    of 1e-36 stay finite and accurate, and queries of 1e-20 give the near-uniform softmax."""
     seq_lens, q_lens = [300, 200], [300, 150]
     cache = make_cache("NHD", 40, 16, 1, 64, DEV)
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, 2, 64, 16, 40, torch.bfloat16, gen, DEV)
-    q = batch.q * 1e6
-    out = ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1.0, 1.0, 1e-7,
-                              max_query_len=300)
+    q = (batch.q.double() * magnitude).to(torch.bfloat16)
+    out = ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1.0, 1.0,
+                              softmax_scale, max_query_len=300)
     ref = reference.paged_attention_ref(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
-                                        torch.tensor(1.0), torch.tensor(1.0), 1e-7, dtype=torch.float64)
+                                        torch.tensor(1.0), torch.tensor(1.0), softmax_scale, dtype=torch.float64)
     assert torch.isfinite(out).all() and rel_l2(out, ref) < TOL
 
 
