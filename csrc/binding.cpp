@@ -234,8 +234,10 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
   CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256, "paged_prefill takes head_dim 64, 128 or 256, got ",
             head_dim);
-  CHECK_ARG(group >= 1 && group <= nvfp4::kPrefillRows && group * num_kv_heads == q.size(1), "q's ", q.size(1),
-            " heads must be a multiple (at most ", nvfp4::kPrefillRows, "x) of the cache's ", num_kv_heads, " kv heads");
+  const int rows = nvfp4::prefill_rows(head_dim);
+  CHECK_ARG(group >= 1 && group <= rows && group * num_kv_heads == q.size(1), "q's ", q.size(1),
+            " heads must be a multiple (at most ", rows, "x at head_dim ", head_dim, ") of the cache's ", num_kv_heads,
+            " kv heads");
   nvfp4::PrefillParams p{};
   set_attention_io(p, out, q, block_table, seq_lens, query_start_loc, k_global, v_global, sinks);
   set_cache(p, k_data, k_sf, v_data, v_sf);
@@ -248,7 +250,7 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
   p.group_size = group;
   p.head_dim = head_dim;
   p.page_size = k_data.size(1);
-  p.tile_tokens = nvfp4::kPrefillRows / group;
+  p.tile_tokens = rows / group;
   const int64_t num_tiles = q.size(0) / p.tile_tokens + p.batch;  // room for every request's tiles
   CHECK_ARG(num_tiles < (int64_t(1) << 31), "paged_prefill takes fewer than 2^31 query tiles, got ", num_tiles);
   p.num_tiles = static_cast<int>(num_tiles);

@@ -90,7 +90,7 @@ struct PrefillParams {
   float softmax_scale, logits_soft_cap;                 // soft cap 0 = off
   int sliding_window;                                   // 0 = off; else visible tokens incl. own
   int batch, num_kv_heads, group_size, head_dim, page_size;
-  int tile_tokens;      // query tokens per block: kPrefillRows / group_size
+  int tile_tokens;      // query tokens per block: prefill_rows(head_dim) / group_size
   int num_tiles;        // the grid's x: num_tokens / tile_tokens + batch (room for every request's tiles)
   int min_query_len;    // requests with fewer query tokens are left alone (the decode kernel serves them)
   QueryType dtype;
@@ -101,8 +101,9 @@ struct PrefillParams {
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_paged_prefill(const PrefillParams& p, cudaStream_t stream);
-//! Packed query rows (tokens x group size) one prefill thread block holds.
-constexpr int kPrefillRows = 64;
+//! Packed query rows (tokens x group size) one prefill thread block holds at a head dim: 128 up to
+//! D 128 (two m16 row tiles per warp), 64 at D 256 (one).  The largest group it serves.
+constexpr int prefill_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 //! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
 int decode_max_rows(int head_dim);
 //! Whether a block may serve 1 << heads_per_block_log2 kv heads: plain decode (max_rows ==

@@ -7,7 +7,7 @@ cudaError_t launch_paged_prefill_hd128(const PrefillParams& p, cudaStream_t stre
 cudaError_t launch_paged_prefill_hd256(const PrefillParams& p, cudaStream_t stream);
 
 cudaError_t launch_paged_prefill(const PrefillParams& p, cudaStream_t stream) {
-  if (p.group_size < 1 || p.group_size > kPrefillRows || p.tile_tokens != kPrefillRows / p.group_size ||
+  if (p.group_size < 1 || p.group_size > prefill_rows(p.head_dim) || p.tile_tokens != prefill_rows(p.head_dim) / p.group_size ||
       p.page_size < 1 || p.num_tiles < 0)
     return cudaErrorInvalidValue;
   if (p.batch == 0 || p.num_tiles == 0) return cudaSuccess;

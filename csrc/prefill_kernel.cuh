@@ -40,9 +40,16 @@ template <int kHeadDim_, int kCopyBytes_>
 struct Config {
   static constexpr int kHeadDim = kHeadDim_, kCopyBytes = kCopyBytes_;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
-  static constexpr int kRows = 16 * kWarps;                     // packed query rows per block
-  static_assert(kRows == kPrefillRows, "the host sizes tiles by kPrefillRows");
-  static constexpr int kTileTokens = kHeadDim <= 128 ? 64 : 32;  // KV positions per tile
+  // m16 row tiles per warp: two where the registers allow (each K and V fragment read from shared
+  // memory then feeds two MMAs: shared-memory bandwidth, not the tensor cores, bounds one), one at D 256
+  static constexpr int kRowTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kWarpRows = 16 * kRowTiles;
+  static constexpr int kRows = kWarpRows * kWarps;  // packed query rows per block
+  static_assert(kRows == prefill_rows(kHeadDim), "the host sizes tiles by prefill_rows()");
+#ifndef NVFP4_PREFILL_TILE_TOKENS  // experiment: KV positions per tile up to D 128
+#define NVFP4_PREFILL_TILE_TOKENS 64
+#endif
+  static constexpr int kTileTokens = kHeadDim <= 128 ? NVFP4_PREFILL_TILE_TOKENS : 32;  // KV positions per tile
   static constexpr int kPitch = kHeadDim + 8;  // 16-bit elements per row: the 16-byte pad keeps ldmatrix conflict-free
   static constexpr int kDataBytes = kHeadDim / 2, kScaleBytes = kHeadDim / 16;
   static constexpr int kStages = 2;  // NVFP4 tiles in flight
@@ -54,7 +61,10 @@ struct Config {
   static constexpr int kStageOffset = kVOffset + kTileTokens * kPitch * 2;
   static constexpr int kStageBytes = 2 * kTileTokens * (kDataBytes + kScaleBytes);
   static constexpr int kLutOffset = kStageOffset + kStages * kStageBytes;
-  static constexpr int kSmemBytes = kLutOffset + 256 * 4;
+  // per row: the logit scale (raw score -> natural-log logit: the row's power of two inside) and the
+  // cache position (-1: no such row), read per tile instead of held in registers
+  static constexpr int kRowInfoOffset = kLutOffset + 256 * 4;
+  static constexpr int kSmemBytes = kRowInfoOffset + kRows * 8;
   // the epilogue's fp32 output rows reuse Q, K and V's space once the loop is done
   static constexpr int kOutPitch = kHeadDim + 4;
   static_assert(kWarps * 16 * kOutPitch * 4 <= kStageOffset, "the epilogue's rows must fit the tiles' space");
@@ -63,9 +73,8 @@ struct Config {
   static constexpr int kChunks = 2 * kDataBytes / kCopyBytes / kCopyThreads;  // data copies per thread
   static_assert(kCopyThreads >= 2 && kChunks * kCopyThreads * kCopyBytes == 2 * kDataBytes, "copy split");
   static constexpr int kElementsPerLane = kHeadDim / 32;  // a row across a warp (Q load, epilogue)
-  // resident blocks the registers must allow: D 64's 4 (128 registers, no spills); the others are
-  // bound by their shared memory and state (D 128: 3, D 256: 2 on sm_90)
-  static constexpr int kMinBlocks = kHeadDim == 64 ? 4 : 1;
+  // resident blocks the registers must allow (two: each block's barriers leave the tensor cores idle)
+  static constexpr int kMinBlocks = 2;
 };
 
 // ------------------------------------------------------------------ small helpers
@@ -146,18 +155,18 @@ __device__ __forceinline__ bool find_tile(const PrefillParams& p, Tile& t) {
 }
 
 // ------------------------------------------------------------------ step 1: the queries
-// Each warp loads its own 16 rows (row r: token r / group, q head kv_head * group + r % group), rotated
-// by H in the Hadamard mode, scaled by a power of two into fp16 (the row's exponent returned for the
-// thread's two MMA rows, lane / 4 and lane / 4 + 8), stored in the permuted head-dim order.
+// Each warp loads its own kWarpRows rows (row r: token r / group, q head kv_head * group + r % group),
+// rotated by H in the Hadamard mode, scaled by a power of two into fp16 (its inverse stored in
+// row_scale[r]), stored in the permuted head-dim order, 16 rows at a time.
 template <typename T, typename C>
-__device__ __forceinline__ void load_queries(const PrefillParams& p, const Tile& t, __half* q_rows, float (&row_scale)[2]) {
+__device__ __forceinline__ void load_row_tile(const PrefillParams& p, const Tile& t, __half* q_rows, int rt,
+                                              float* row_scale) {
   constexpr int E = C::kElementsPerLane;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  row_scale[0] = row_scale[1] = 1.0f;
   uint32_t w[16][E / 2];  // every row's loads in flight before the first is used
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const int r = warp * 16 + i, token = r / p.group_size;
+    const int r = warp * C::kWarpRows + rt * 16 + i, token = r / p.group_size;
 #pragma unroll
     for (int j = 0; j < E / 2; ++j) w[i][j] = 0u;
     if (token < t.tokens) {
@@ -170,7 +179,7 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Tile&
   }
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const int r = warp * 16 + i;
+    const int r = warp * C::kWarpRows + rt * 16 + i;
     float x[E];
 #pragma unroll
     for (int j = 0; j < E / 2; ++j) {  // rows past the tile's tokens are zeros
@@ -188,12 +197,17 @@ __device__ __forceinline__ void load_queries(const PrefillParams& p, const Tile&
     // finite; a row that small keeps its tiny elements as fp16 subnormals or zeros)
     const int e = amax > 0.0f && amax < INFINITY ? min(14 - ilogbf(amax), 127) : 0;
     const float up = ldexpf(1.0f, e);
-    if (i == (lane >> 2)) row_scale[0] = ldexpf(1.0f, -e);
-    if (i == (lane >> 2) + 8) row_scale[1] = ldexpf(1.0f, -e);
+    if (lane == 0) row_scale[r] = ldexpf(1.0f, -e);
     __half* row = q_rows + r * C::kPitch + (lane * E & ~7);
 #pragma unroll
     for (int j = 0; j < E; ++j) row[stored_at((lane * E + j) & 7)] = __float2half_rn(x[j] * up);
   }
+}
+
+template <typename T, typename C>
+__device__ __forceinline__ void load_queries(const PrefillParams& p, const Tile& t, __half* q_rows, float* row_scale) {
+#pragma unroll
+  for (int rt = 0; rt < C::kRowTiles; ++rt) load_row_tile<T, C>(p, t, q_rows, rt, row_scale);
 }
 
 // ------------------------------------------------------------------ step 2: one tile's copies
@@ -234,7 +248,7 @@ __device__ __forceinline__ void issue_copies(const PrefillParams& p, const Tile&
 template <typename C>
 __device__ __forceinline__ void dequantize_tile(const uint8_t* stage, const uint32_t* scale_lut, __half* k_tile, __half* v_tile) {
   constexpr int kBlocks = C::kHeadDim / 16, kItems = 2 * C::kTileTokens * kBlocks;
-#pragma unroll
+#pragma unroll 2  // more items in flight only add registers: the output accumulators are live here
   for (int i = threadIdx.x; i < kItems; i += C::kThreads) {
     const int side = i / (C::kTileTokens * kBlocks), n = i / kBlocks % C::kTileTokens, blk = i % kBlocks;
     const uint2 codes = *reinterpret_cast<const uint2*>(stage + (side * C::kTileTokens + n) * C::kDataBytes + blk * 8);
@@ -254,152 +268,183 @@ __device__ __forceinline__ void dequantize_tile(const uint8_t* stage, const uint
 }
 
 // ------------------------------------------------------------------ step 4: scores and softmax
-// The warp's state: its 16 rows' running maxima (log2 units) and sums for the thread's rows lane / 4
-// and lane / 4 + 8, and the output accumulator (m16 x kHeadDim, the MMA's C layout).
+// The warp's state for the thread's rows, thread_row(i) for i < 2 kRowTiles (row tile i / 2, MMA row
+// lane / 4 + 8 (i % 2)): running maxima (log2 units) and sums, and the output accumulator (m16 x
+// kHeadDim per row tile, the MMA's C layout).
 template <typename C>
 struct RowState {
-  float o[C::kHeadDim / 8][4];
-  float max[2], sum[2];
-  float logit_scale[2];  // raw score -> natural-log logit
-  int pos[2];            // the row's cache position (-1: no such row)
+  static constexpr int kThreadRows = 2 * C::kRowTiles;
+  float o[C::kRowTiles][C::kHeadDim / 8][4];
+  float max[kThreadRows], sum[kThreadRows];
+  const float* logit_scale;  // [kRows] in shared memory (Config::kRowInfoOffset)
+  const int* pos;            // [kRows]
 };
-
-// S = Q K^T for the warp's 16 rows and the tile's positions (raw fp32 scores)
 template <typename C>
-__device__ __forceinline__ void tile_scores(uint32_t q_rows, uint32_t k_tile, float (&s)[C::kTileTokens / 8][4]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ int thread_row(int i) {
+  return (threadIdx.x >> 5) * C::kWarpRows + (i >> 1) * 16 + ((threadIdx.x & 31) >> 2) + 8 * (i & 1);
+}
+template <typename C>
+using Scores = float[C::kRowTiles][C::kTileTokens / 8][4];
+
+// S = Q K^T for the warp's rows and the tile's positions (raw fp32 scores); each K fragment serves
+// every row tile
+template <typename C>
+__device__ __forceinline__ void tile_scores(uint32_t q_rows, uint32_t k_tile, Scores<C>& s) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, m = lane >> 3;
 #pragma unroll
-  for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
+  for (int rt = 0; rt < C::kRowTiles; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+    for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[rt][nt][i] = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-    uint32_t a[4];
-    ldmatrix_x4(a, q_rows + ((warp * 16 + (lane & 15)) * C::kPitch + ks * 16 + (lane >> 4) * 8) * 2);
+    uint32_t a[C::kRowTiles][4];
+#pragma unroll
+    for (int rt = 0; rt < C::kRowTiles; ++rt)
+      ldmatrix_x4(a[rt], q_rows + ((warp * C::kWarpRows + rt * 16 + (lane & 15)) * C::kPitch + ks * 16 + (lane >> 4) * 8) * 2);
 #pragma unroll
     for (int nt = 0; nt < C::kTileTokens / 8; nt += 2) {
       uint32_t b[4];  // positions nt * 8.. and (nt + 1) * 8.., head dims ks * 16 + {0, 8}
-      const int m = lane >> 3;
       ldmatrix_x4(b, k_tile + (((nt + (m >> 1)) * 8 + (lane & 7)) * C::kPitch + ks * 16 + (m & 1) * 8) * 2);
-      mma(s[nt], a, b[0], b[1]);
-      mma(s[nt + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int rt = 0; rt < C::kRowTiles; ++rt) {
+        mma(s[rt][nt], a[rt], b[0], b[1]);
+        mma(s[rt][nt + 1], a[rt], b[2], b[3]);
+      }
     }
   }
 }
 
-// Masks, soft-caps and exponentiates the tile's scores in place (leaving the fp16 weights' inputs),
+// Masks, soft-caps and exponentiates the tile's scores in place (the fp16 weights' inputs, x 2^15),
 // updating the running maxima and sums and rescaling the output.
 template <typename C>
-__device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<C>& st, float (&s)[C::kTileTokens / 8][4],
-                                               int tile_start, bool masked) {
+__device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<C>& st, Scores<C>& s, int tile_start,
+                                               bool masked) {
   const int lane = threadIdx.x & 31;
   const float inv_cap = 1.0f / p.logits_soft_cap;
-  float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
+  for (int h = 0; h < RowState<C>::kThreadRows; ++h) {
+    const int rt = h >> 1, half = h & 1;
+    const float logit_scale = st.logit_scale[thread_row<C>(h)];
+    const int pos = st.pos[thread_row<C>(h)];
+    float tile_max = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int h = i >> 1;
-      float x = s[nt][i] * st.logit_scale[h];
-      if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanh_accurate(x * inv_cap);
-      x *= kLog2e;
-      if (masked) {
-        const int kv = tile_start + nt * 8 + 2 * (lane & 3) + (i & 1);
-        const bool visible = kv <= st.pos[h] && (p.sliding_window <= 0 || kv > st.pos[h] - p.sliding_window);
-        x = visible ? x : -INFINITY;
+    for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float x = s[rt][nt][2 * half + j] * logit_scale;
+        if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanh_accurate(x * inv_cap);
+        x *= kLog2e;
+        if (masked) {
+          const int kv = tile_start + nt * 8 + 2 * (lane & 3) + j;
+          const bool visible = kv <= pos && (p.sliding_window <= 0 || kv > pos - p.sliding_window);
+          x = visible ? x : -INFINITY;
+        }
+        s[rt][nt][2 * half + j] = x;
+        tile_max = fmaxf(tile_max, x);
       }
-      s[nt][i] = x;
-      tile_max[h] = fmaxf(tile_max[h], x);
-    }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-    tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-    const float new_max = fmaxf(st.max[h], tile_max[h]);
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float new_max = fmaxf(st.max[h], tile_max);
     const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row that sees nothing yet stays 0
     const float rescale = fast_exp2(st.max[h] - base);
     st.max[h] = new_max;
     st.sum[h] *= rescale;
 #pragma unroll
     for (int dt = 0; dt < C::kHeadDim / 8; ++dt) {
-      st.o[dt][2 * h] *= rescale;
-      st.o[dt][2 * h + 1] *= rescale;
+      st.o[rt][dt][2 * half] *= rescale;
+      st.o[rt][dt][2 * half + 1] *= rescale;
     }
 #pragma unroll
-    for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
-      s[nt][2 * h] = fast_exp2(s[nt][2 * h] - base + kWeightBiasLog2);
-      s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] - base + kWeightBiasLog2);
-      st.sum[h] += s[nt][2 * h] + s[nt][2 * h + 1];
-    }
+    for (int nt = 0; nt < C::kTileTokens / 8; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float w = fast_exp2(s[rt][nt][2 * half + j] - base + kWeightBiasLog2);
+        s[rt][nt][2 * half + j] = w;
+        st.sum[h] += w;
+      }
   }
 }
 
-// O += P V: the weights' C fragments of two position octets are the A fragment of one k step
+// O += P V: the weights' C fragments of two position octets are the A fragment of one k step; each V
+// fragment serves every row tile
 template <typename C>
-__device__ __forceinline__ void tile_values(RowState<C>& st, const float (&s)[C::kTileTokens / 8][4], uint32_t v_tile) {
+__device__ __forceinline__ void tile_values(RowState<C>& st, const Scores<C>& s, uint32_t v_tile) {
   const int lane = threadIdx.x & 31, m = lane >> 3;
 #pragma unroll
   for (int ks = 0; ks < C::kTileTokens / 16; ++ks) {
-    uint32_t a[4];
-    a[0] = pack2(s[2 * ks][0], s[2 * ks][1], __half());
-    a[1] = pack2(s[2 * ks][2], s[2 * ks][3], __half());
-    a[2] = pack2(s[2 * ks + 1][0], s[2 * ks + 1][1], __half());
-    a[3] = pack2(s[2 * ks + 1][2], s[2 * ks + 1][3], __half());
+    uint32_t a[C::kRowTiles][4];
+#pragma unroll
+    for (int rt = 0; rt < C::kRowTiles; ++rt) {
+      a[rt][0] = pack2(s[rt][2 * ks][0], s[rt][2 * ks][1], __half());
+      a[rt][1] = pack2(s[rt][2 * ks][2], s[rt][2 * ks][3], __half());
+      a[rt][2] = pack2(s[rt][2 * ks + 1][0], s[rt][2 * ks + 1][1], __half());
+      a[rt][3] = pack2(s[rt][2 * ks + 1][2], s[rt][2 * ks + 1][3], __half());
+    }
 #pragma unroll
     for (int dt = 0; dt < C::kHeadDim / 8; dt += 2) {
       uint32_t b[4];  // positions ks * 16 + {0, 8}.., head dims dt * 8.. and (dt + 1) * 8..
       ldmatrix_x4_trans(b, v_tile + ((ks * 16 + (m & 1) * 8 + (lane & 7)) * C::kPitch + (dt + (m >> 1)) * 8) * 2);
-      mma(st.o[dt], a, b[0], b[1]);
-      mma(st.o[dt + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int rt = 0; rt < C::kRowTiles; ++rt) {
+        mma(st.o[rt][dt], a[rt], b[0], b[1]);
+        mma(st.o[rt][dt + 1], a[rt], b[2], b[3]);
+      }
     }
   }
 }
 
 // ------------------------------------------------------------------ step 5: the epilogue
 // Sinks join the denominator, the rows are normalized and staged in fp32 (head-dim order restored),
-// then each row is rotated back by H (Hadamard mode) and stored by one warp, 16-byte pieces per lane.
+// then each row is rotated back by H (Hadamard mode) and stored by its warp, 16-byte pieces per lane.
 template <typename T, typename C>
 __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile& t, RowState<C>& st, float* rows) {
   constexpr int E = C::kElementsPerLane;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float v_scale = *p.v_global_scale * kValueBias;
+  float* warp_rows = rows + warp * 16 * C::kOutPitch;  // one row tile at a time
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = warp * 16 + (lane >> 2) + 8 * h;
-    float sum = st.sum[h];  // the thread's columns: the row's four threads add theirs up
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    float out_scale = v_scale;
-    if (p.sinks != nullptr && st.pos[h] >= 0) {  // one more logit in the denominator, weighed as the rest
-      const float sink = p.sinks[t.kv_head * p.group_size + r % p.group_size] * kLog2e;
-      const float new_max = fmaxf(st.max[h], sink);
-      const float rescale = fast_exp2(st.max[h] - new_max);
-      sum = sum * rescale + fast_exp2(sink - new_max + kWeightBiasLog2);
-      out_scale *= rescale;
+  for (int rt = 0; rt < C::kRowTiles; ++rt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int h = 2 * rt + half, r = thread_row<C>(h);
+      float sum = st.sum[h];  // the thread's columns: the row's four threads add theirs up
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      float out_scale = v_scale;
+      if (p.sinks != nullptr && st.pos[r] >= 0) {  // one more logit in the denominator, weighed as the rest
+        const float sink = p.sinks[t.kv_head * p.group_size + r % p.group_size] * kLog2e;
+        const float new_max = fmaxf(st.max[h], sink);
+        const float rescale = fast_exp2(st.max[h] - new_max);
+        sum = sum * rescale + fast_exp2(sink - new_max + kWeightBiasLog2);
+        out_scale *= rescale;
+      }
+      out_scale = sum > 0.0f ? out_scale / sum : 0.0f;
+      float* row = warp_rows + ((lane >> 2) + 8 * half) * C::kOutPitch;
+#pragma unroll
+      for (int dt = 0; dt < C::kHeadDim / 8; ++dt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) row[dt * 8 + stored_at(2 * (lane & 3) + j)] = st.o[rt][dt][2 * half + j] * out_scale;
     }
-    out_scale = sum > 0.0f ? out_scale / sum : 0.0f;
-    float* row = rows + (warp * 16 + (lane >> 2) + 8 * h) * C::kOutPitch;
+    __syncwarp();
+    for (int i = 0; i < 16; ++i) {
+      const int r = warp * C::kWarpRows + rt * 16 + i, token = r / p.group_size;
+      if (token >= t.tokens) break;  // rows past the tile's tokens: rows are token-major, none follow
+      float x[E];
 #pragma unroll
-    for (int dt = 0; dt < C::kHeadDim / 8; ++dt)
+      for (int j = 0; j < E; ++j) x[j] = warp_rows[i * C::kOutPitch + lane * E + j];
+      if (p.hadamard) hadamard_row<E>(x, p.hadamard_scale);
+      uint32_t w[E / 2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) row[dt * 8 + stored_at(2 * (lane & 3) + j)] = st.o[dt][2 * h + j] * out_scale;
-  }
-  __syncwarp();
-  for (int i = 0; i < 16; ++i) {
-    const int r = warp * 16 + i, token = r / p.group_size;
-    if (token >= t.tokens) break;  // rows past the tile's tokens: rows are token-major, none follow
-    float x[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) x[j] = rows[r * C::kOutPitch + lane * E + j];
-    if (p.hadamard) hadamard_row<E>(x, p.hadamard_scale);
-    uint32_t w[E / 2];
-#pragma unroll
-    for (int j = 0; j < E / 2; ++j) w[j] = pack2(x[2 * j], x[2 * j + 1], T());
-    T* dst = static_cast<T*>(p.out) + (int64_t)(t.q_start + t.first_token + token) * p.out_stride_token +
-             (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.out_stride_head + lane * E;
-    if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(w);
-    if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(w);
-    if constexpr (E == 2) *reinterpret_cast<uint32_t*>(dst) = w[0];
+      for (int j = 0; j < E / 2; ++j) w[j] = pack2(x[2 * j], x[2 * j + 1], T());
+      T* dst = static_cast<T*>(p.out) + (int64_t)(t.q_start + t.first_token + token) * p.out_stride_token +
+               (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.out_stride_head + lane * E;
+      if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(w);
+      if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(w);
+      if constexpr (E == 2) *reinterpret_cast<uint32_t*>(dst) = w[0];
+    }
+    __syncwarp();  // the next row tile overwrites the rows
   }
 }
 
@@ -427,25 +472,33 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
   for (int i = threadIdx.x; i < 256; i += C::kThreads) scale_lut[i] = scale2(e4m3_value(i));
 
   RowState<C> st;
-  float row_scale[2];
-  load_queries<T, C>(p, t, q_rows, row_scale);
+  float* row_logit_scale = reinterpret_cast<float*>(smem + C::kRowInfoOffset);
+  int* row_pos = reinterpret_cast<int*>(smem + C::kRowInfoOffset + C::kRows * 4);
+  st.logit_scale = row_logit_scale;
+  st.pos = row_pos;
+  load_queries<T, C>(p, t, q_rows, row_logit_scale);  // the rows' powers of two, to scale next
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first_pos = t.seq_len - t.q_len + t.first_token, last_pos = first_pos + t.tokens - 1;
   const float logit_scale = p.softmax_scale * *p.k_global_scale * kValueBias;
+  __syncwarp();
+  for (int r = warp * C::kWarpRows + lane; r < (warp + 1) * C::kWarpRows; r += 32) {  // the warp's rows
+    const int token = r / p.group_size;
+    row_pos[r] = token < t.tokens ? first_pos + token : -1;
+    row_logit_scale[r] *= logit_scale;
+  }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int token = (warp * 16 + (lane >> 2) + 8 * h) / p.group_size;
-    st.pos[h] = token < t.tokens ? first_pos + token : -1;
-    st.logit_scale[h] = logit_scale * row_scale[h];
+  for (int h = 0; h < RowState<C>::kThreadRows; ++h) {
     st.max[h] = -INFINITY;
     st.sum[h] = 0.0f;
   }
 #pragma unroll
-  for (int dt = 0; dt < kHeadDim / 8; ++dt)
+  for (int rt = 0; rt < C::kRowTiles; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) st.o[dt][i] = 0.0f;
-  // a warp whose 16 rows are all past the tile's tokens only helps copy and dequantize
-  const bool warp_live = warp * 16 / p.group_size < t.tokens;
+    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st.o[rt][dt][i] = 0.0f;
+  // a warp whose rows are all past the tile's tokens only helps copy and dequantize
+  const bool warp_live = warp * C::kWarpRows / p.group_size < t.tokens;
 
   for (int tile = first_tile; tile < end_tile; ++tile) {
     cp_async_wait<C::kStages - 1>();
@@ -459,7 +512,7 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
       // only tiles that cross the causal diagonal or the window's edge (for any row) need the mask
       const bool masked = tile_start + C::kTileTokens - 1 > first_pos ||
                           (p.sliding_window > 0 && tile_start <= last_pos - p.sliding_window);
-      float s[C::kTileTokens / 8][4];
+      Scores<C> s;
       tile_scores<C>(smem_addr(q_rows), smem_addr(k_tile), s);
       online_softmax<C>(p, st, s, tile_start, masked);
       tile_values<C>(st, s, smem_addr(v_tile));
