@@ -252,7 +252,8 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
   p.page_size = k_data.size(1);
   p.tile_tokens = rows / group;
   const int64_t num_tiles = q.size(0) / p.tile_tokens + p.batch;  // room for every request's tiles
-  CHECK_ARG(num_tiles < (int64_t(1) << 31), "paged_prefill takes fewer than 2^31 query tiles, got ", num_tiles);
+  CHECK_ARG(num_tiles * num_kv_heads < (int64_t(1) << 31), "paged_prefill takes fewer than 2^31 blocks (query tiles x kv heads), got ",
+            num_tiles * num_kv_heads);
   p.num_tiles = static_cast<int>(num_tiles);
   p.min_query_len = static_cast<int>(std::max<int64_t>(min_query_len, 1));
   p.dtype = query_type(q, "q");

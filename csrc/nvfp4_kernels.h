@@ -74,8 +74,8 @@ struct DecodeParams {
 };
 
 //! \brief Paged attention of long ragged queries (prefill, chunked prefill) over an NVFP4 cache, in one
-//! launch: blocks of 64 packed query rows (tokens x the group of q heads of one kv head) over
-//! dequantized KV tiles.  The grid (q tokens / tile_tokens + batch, kv heads) needs no host lengths.
+//! launch: blocks of prefill_rows() packed query rows (tokens x the group of q heads of one kv head) over
+//! dequantized KV tiles.  The grid ((q tokens / tile_tokens + batch) x kv heads) needs no host lengths.
 struct PrefillParams {
   const void* q;  void* out;                   // [num_tokens, num_q_heads, head_dim] fp16/bf16
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;   // elements
@@ -91,7 +91,7 @@ struct PrefillParams {
   int sliding_window;                                   // 0 = off; else visible tokens incl. own
   int batch, num_kv_heads, group_size, head_dim, page_size;
   int tile_tokens;      // query tokens per block: prefill_rows(head_dim) / group_size
-  int num_tiles;        // the grid's x: num_tokens / tile_tokens + batch (room for every request's tiles)
+  int num_tiles;        // num_tokens / tile_tokens + batch (room for every request's tiles); x kv heads blocks
   int min_query_len;    // requests with fewer query tokens are left alone (the decode kernel serves them)
   QueryType dtype;
   bool hadamard;        // KV mode "hadamard": q rotated by H, the output rotated back (as DecodeParams)

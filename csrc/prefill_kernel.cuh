@@ -61,7 +61,7 @@ struct Config {
   static constexpr int kStageOffset = kVOffset + kTileTokens * kPitch * 2;
   static constexpr int kStageBytes = 2 * kTileTokens * (kDataBytes + kScaleBytes);
   static constexpr int kLutOffset = kStageOffset + kStages * kStageBytes;
-  // per row: the logit scale (raw score -> natural-log logit: the row's power of two inside) and the
+  // per row: the logit scale (raw score -> logit in log2 units: the row's power of two inside) and the
   // cache position (-1: no such row), read per tile instead of held in registers
   static constexpr int kRowInfoOffset = kLutOffset + 256 * 4;
   static constexpr int kSmemBytes = kRowInfoOffset + kRows * 8;
@@ -88,10 +88,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 }
 // Where element e of an 8-element group is stored (unpack_word's pair order; an involution).
 __device__ __forceinline__ constexpr int stored_at(int e) { return (e & 1) * 4 + (e >> 1 & 1) * 2 + (e >> 2 & 1); }
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 // tanh(x) = 1 - 2 / (e^2x + 1): ex2 and a reciprocal, accurate to ~1e-7 absolute (tanh.approx's 2^-11
 // relative error moves capped logits by up to cap x 5e-4, visibly in the softmax)
 __device__ __forceinline__ float tanh_accurate(float x) {
-  return 1.0f - 2.0f * __frcp_rn(fast_exp2(2.0f * kLog2e * x) + 1.0f);
+  return 1.0f - 2.0f * fast_rcp(fast_exp2(2.0f * kLog2e * x) + 1.0f);
 }
 // x H for a row spread over a warp, lane holding elements [lane * E, lane * E + E): Sylvester-order
 // fast Walsh-Hadamard butterflies in fp32 (format.hadamard_transform), then one multiply.
@@ -130,14 +135,15 @@ struct Tile {
 // query_start_loc[b] / tile_tokens + b, which leaves every request room for its ceil(q_len /
 // tile_tokens) tiles.  Later tiles of a request (longer causal ranges) get the lower block indices.
 __device__ __forceinline__ bool find_tile(const PrefillParams& p, Tile& t) {
-  const int x = blockIdx.x;
+  // kv heads vary fastest, so every head's longest tiles start in the first wave
+  const int x = blockIdx.x / p.num_kv_heads;
   int lo = 0, hi = p.batch - 1;  // the last request whose first tile is at or before x
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (p.query_start_loc[mid] / p.tile_tokens + mid <= x) lo = mid; else hi = mid - 1;
   }
   t.request = lo;
-  t.kv_head = blockIdx.y;
+  t.kv_head = blockIdx.x % p.num_kv_heads;
   t.q_start = p.query_start_loc[lo];
   t.q_len = p.query_start_loc[lo + 1] - t.q_start;
   if (t.q_len < p.min_query_len || t.q_len <= 0) return false;  // shorter ones are the decode kernel's
@@ -247,23 +253,33 @@ __device__ __forceinline__ void issue_copies(const PrefillParams& p, const Tile&
 // per item, in the permuted head-dim order.
 template <typename C>
 __device__ __forceinline__ void dequantize_tile(const uint8_t* stage, const uint32_t* scale_lut, __half* k_tile, __half* v_tile) {
-  constexpr int kBlocks = C::kHeadDim / 16, kItems = 2 * C::kTileTokens * kBlocks;
-#pragma unroll 2  // more items in flight only add registers: the output accumulators are live here
-  for (int i = threadIdx.x; i < kItems; i += C::kThreads) {
-    const int side = i / (C::kTileTokens * kBlocks), n = i / kBlocks % C::kTileTokens, blk = i % kBlocks;
-    const uint2 codes = *reinterpret_cast<const uint2*>(stage + (side * C::kTileTokens + n) * C::kDataBytes + blk * 8);
-    const uint32_t s = scale_lut[stage[2 * C::kTileTokens * C::kDataBytes + (side * C::kTileTokens + n) * C::kScaleBytes + blk]];
-    uint32_t lo[4], hi[4];
-    unpack_word(codes.x, lo);
-    unpack_word(codes.y, hi);
+  // thread t: block t % kBlocks of positions t / kBlocks + kPass * i, so every offset below but the
+  // thread's own is a compile-time constant
+  constexpr int kBlocks = C::kHeadDim / 16, kPass = C::kThreads / kBlocks;
+  static_assert(C::kThreads % kBlocks == 0 && C::kTileTokens % kPass == 0, "whole passes");
+  const int blk = threadIdx.x % kBlocks, n0 = threadIdx.x / kBlocks;
+  const uint8_t* codes = stage + n0 * C::kDataBytes + blk * 8;
+  const uint8_t* scales = stage + 2 * C::kTileTokens * C::kDataBytes + n0 * C::kScaleBytes + blk;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      lo[j] = mul2(lo[j], s);
-      hi[j] = mul2(hi[j], s);
+  for (int side = 0; side < 2; ++side) {
+    __half* tile = (side ? v_tile : k_tile) + n0 * C::kPitch + blk * 16;
+#pragma unroll 1  // more items in flight only add registers: the output accumulators are live here
+    for (int i = 0; i < C::kTileTokens / kPass; ++i) {
+      const int n = side * C::kTileTokens + i * kPass;  // position offset from the thread's first
+      const uint2 code = *reinterpret_cast<const uint2*>(codes + n * C::kDataBytes);
+      const uint32_t scale = scale_lut[scales[n * C::kScaleBytes]];
+      uint32_t lo[4], hi[4];
+      unpack_word(code.x, lo);
+      unpack_word(code.y, hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = mul2(lo[j], scale);
+        hi[j] = mul2(hi[j], scale);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(tile + i * kPass * C::kPitch);
+      dst[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      dst[1] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     }
-    uint4* dst = reinterpret_cast<uint4*>((side ? v_tile : k_tile) + n * C::kPitch + blk * 16);
-    dst[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    dst[1] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
   }
 }
 
@@ -276,7 +292,7 @@ struct RowState {
   static constexpr int kThreadRows = 2 * C::kRowTiles;
   float o[C::kRowTiles][C::kHeadDim / 8][4];
   float max[kThreadRows], sum[kThreadRows];
-  const float* logit_scale;  // [kRows] in shared memory (Config::kRowInfoOffset)
+  const float* logit_scale;  // [kRows] in shared memory (Config::kRowInfoOffset), log2 units
   const int* pos;            // [kRows]
 };
 template <typename C>
@@ -318,11 +334,11 @@ __device__ __forceinline__ void tile_scores(uint32_t q_rows, uint32_t k_tile, Sc
 
 // Masks, soft-caps and exponentiates the tile's scores in place (the fp16 weights' inputs, x 2^15),
 // updating the running maxima and sums and rescaling the output.
-template <typename C>
-__device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<C>& st, Scores<C>& s, int tile_start,
-                                               bool masked) {
+template <bool kMasked, bool kCapped, typename C>
+__device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<C>& st, Scores<C>& s, int tile_start) {
   const int lane = threadIdx.x & 31;
-  const float inv_cap = 1.0f / p.logits_soft_cap;
+  // the logit scale carries log2(e): x is the logit in log2 units, capped as cap * tanh(logit / cap)
+  const float cap_log2 = p.logits_soft_cap * kLog2e, inv_cap_log2 = 1.0f / cap_log2;
 #pragma unroll
   for (int h = 0; h < RowState<C>::kThreadRows; ++h) {
     const int rt = h >> 1, half = h & 1;
@@ -334,9 +350,8 @@ __device__ __forceinline__ void online_softmax(const PrefillParams& p, RowState<
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         float x = s[rt][nt][2 * half + j] * logit_scale;
-        if (p.logits_soft_cap > 0.0f) x = p.logits_soft_cap * tanh_accurate(x * inv_cap);
-        x *= kLog2e;
-        if (masked) {
+        if constexpr (kCapped) x = cap_log2 * tanh_accurate(x * inv_cap_log2);
+        if constexpr (kMasked) {
           const int kv = tile_start + nt * 8 + 2 * (lane & 3) + j;
           const bool visible = kv <= pos && (p.sliding_window <= 0 || kv > pos - p.sliding_window);
           x = visible ? x : -INFINITY;
@@ -479,7 +494,7 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
   load_queries<T, C>(p, t, q_rows, row_logit_scale);  // the rows' powers of two, to scale next
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first_pos = t.seq_len - t.q_len + t.first_token, last_pos = first_pos + t.tokens - 1;
-  const float logit_scale = p.softmax_scale * *p.k_global_scale * kValueBias;
+  const float logit_scale = p.softmax_scale * *p.k_global_scale * kValueBias * kLog2e;
   __syncwarp();
   for (int r = warp * C::kWarpRows + lane; r < (warp + 1) * C::kWarpRows; r += 32) {  // the warp's rows
     const int token = r / p.group_size;
@@ -514,7 +529,13 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
                           (p.sliding_window > 0 && tile_start <= last_pos - p.sliding_window);
       Scores<C> s;
       tile_scores<C>(smem_addr(q_rows), smem_addr(k_tile), s);
-      online_softmax<C>(p, st, s, tile_start, masked);
+      // the tile's variant, once per tile (per score, the tests and branches cost as much as the math)
+      const bool capped = p.logits_soft_cap > 0.0f;
+      if (masked) {
+        if (capped) online_softmax<true, true>(p, st, s, tile_start); else online_softmax<true, false>(p, st, s, tile_start);
+      } else {
+        if (capped) online_softmax<false, true>(p, st, s, tile_start); else online_softmax<false, false>(p, st, s, tile_start);
+      }
       tile_values<C>(st, s, smem_addr(v_tile));
     }
   }
@@ -527,7 +548,7 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
 // allows them; 4 otherwise, e.g. vLLM's inline pages of an odd page_size x kv heads).
 template <typename T, int kHeadDim>
 cudaError_t launch(const PrefillParams& p, bool rows_16_byte_aligned, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.num_tiles), p.num_kv_heads);
+  const dim3 grid(static_cast<unsigned>(p.num_tiles) * p.num_kv_heads);
   auto run = [&](auto kernel, int smem_bytes) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return err;
