@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", default="HND", choices=["NHD", "HND"])
     p.add_argument("--spec-q-len", type=int, default=4, help="also time q_len tokens per request (0: skip)")
     p.add_argument("--no-peers", action="store_true", help="skip FlashInfer even if importable")
+    p.add_argument("--peer-kv", default="bf16,fp8,nvfp4",
+                   help="FlashInfer's cache dtypes for --prefill and --step (each JIT-builds its own kernels)")
     p.add_argument("--modes", default="plain",
                    help="KV modes to time (comma list of plain, 6or4, hadamard, hadamard-6or4): decode and write cost")
     p.add_argument("--prefill", default=None,
@@ -184,8 +186,9 @@ class UniformBatch:
                                   token_major=cache.token_major, fused=fused, device=q.device)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
+        host = dict(seq_lens_cpu=self.seq.cpu(), query_start_loc_cpu=qsl.cpu())  # as the engines pass them
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
-                                           max_query_len=q_len, out=out, plan=plan, workspace=wsp, **features)
+                                           max_query_len=q_len, out=out, plan=plan, workspace=wsp, **host, **features)
         call()
         return call, out, plan, qsl
 
@@ -329,15 +332,16 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws, features: s
     call, out, plan, qsl = batch.attention(q, new, **feats)
     n = min(new, 128)  # the fp64 reference on the last n rows of request 0
     ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1, **feats)
-    # eager for every implementation: the dense path reads lengths on the host and cannot be
-    # captured, so graph replays of the peer would not compare like with like
+    # eager (launch and Python costs included, as an engine running prefill attention outside its
+    # graphs pays them) and graph replays (back to back: the GPU time), for every implementation
     t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
+    t_graph = time_graph(call, args.iters).back_to_back
     path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "prefill kernel"
     rows = [dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="nvfp4-backend", kv="nvfp4",
-                 path=path, us=t,
+                 path=path, us=t, us_graph=t_graph,
                  tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
     if fi is not None:
-        for kv in ("bf16", "nvfp4"):
+        for kv in [kv for kv in args.peer_kv.split(",") if kv != "fp8"]:
             try:
                 kc, vc, dt, kw, _ = flashinfer_kv(kv, batch.cache, args.layout, batch.kg, batch.vg, device)
                 w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, args.layout)
@@ -346,10 +350,11 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws, features: s
                        window_left=feats.get("sliding_window", 0) - 1, logits_soft_cap=feats.get("logits_soft_cap"))
                 fo = torch.empty_like(q)
                 sinks = {"sinks": feats["sinks"]} if "sinks" in feats else {}
-                tf = time_graph(lambda: w.run(q, (kc, vc), out=fo, **kw, **sinks), args.iters, capture=False,
-                                back_to_back=False).isolated
+                run = lambda: w.run(q, (kc, vc), out=fo, **kw, **sinks)
+                tf = time_graph(run, args.iters, capture=False, back_to_back=False).isolated
+                tf_graph = time_graph(run, args.iters).back_to_back
                 row = dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="flashinfer-fa2", kv=kv,
-                           us=tf,
+                           us=tf, us_graph=tf_graph,
                            tflops=flops / (tf * 1e-6) / 1e12)
                 if kv == "nvfp4":
                     row["rel_err"] = _rel_err(fo[new - n:new], ref)
@@ -372,6 +377,7 @@ def run_prefill(args, device, gen, fi, ws) -> int:
         rows += got
         for r in got:
             print(f"B={B:3d} C={ctx:6d} N={new:5d} {features:>12s} {r['impl']:>14s} {r['kv']:5s} {r['us']:9.1f} us "
+                  f"(graph {r['us_graph']:9.1f}) "
                   f"{r['tflops']:6.1f} TFLOP/s" + (f" err={r['rel_err']:.1e}" if "rel_err" in r else "")
                   + (f" [{r['path']}]" if "path" in r else ""),
                   flush=True)

@@ -201,7 +201,7 @@ def run_step(args, device) -> int:
         t = time_graph(call, args.iters)
         rows.append(dict(mix=mix.name, impl="nvfp4-backend", kv="nvfp4", us=t.isolated, us_b2b=t.back_to_back,
                          rel_err=check()))
-        for kv in ("bf16", "fp8", "nvfp4") if fi is not None else ():
+        for kv in args.peer_kv.split(",") if fi is not None else ():
             try:
                 t = time_graph(flashinfer_step(fi, step, kv, device, ws), args.iters)
                 rows.append(dict(mix=mix.name, impl="flashinfer", kv=kv, us=t.isolated, us_b2b=t.back_to_back))

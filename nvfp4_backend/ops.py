@@ -28,7 +28,7 @@ _lib.define(
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
     "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
     "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
-    "str rotation=\"none\", int heads_per_block=1, bool fused=False) -> ()")
+    "str rotation=\"none\", int heads_per_block=1, bool fused=False, bool short_queries=True) -> ()")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -474,6 +474,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
     decode_len = min(max_query_len, jit.decode_query_len(q.shape[1] // cache.num_kv_heads, cache.head_dim))
+    # the host lengths can show that no request is the decode kernel's: its launch is skipped
+    short_queries = True
+    if query_start_loc_cpu is not None and batch:
+        short_queries = bool(((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]) <= decode_len).any())
     if decode_len > 0:  # no decode rows at all: the plan is not used
         _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, decode_len,
                                plan.heads_per_block, cache.head_dim, plan.fused)
@@ -489,7 +493,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     torch.ops.nvfp4_backend.paged_attention(
         out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused)
+        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, short_queries)
     return out
 
 
@@ -527,11 +531,12 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none",
-                          heads_per_block=1, fused=False) -> None:
+                          heads_per_block=1, fused=False, short_queries=True) -> None:
     """Requests of up to decode_query_len tokens take the decode kernel (one block per request and
     kv head holds all their rows), longer ones the prefill kernel, launched after it on the same
     stream; a layout the decode kernel cannot read (_kernel_aligned) leaves every request to the
-    prefill kernel.  Off CUDA, without the kernels, or at a head dim they were not built for, the
+    prefill kernel (short_queries False: the caller knows there are none, and the decode kernel is
+    not launched).  Off CUDA, without the kernels, or at a head dim they were not built for, the
     reference."""
     from . import jit
     if not (q.is_cuda and q.shape[2] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(q.device)):
@@ -550,7 +555,7 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
     decode_len = jit.decode_query_len(q.shape[1] // k_data.shape[2], q.shape[2])
     if not _kernel_aligned(k_data, k_block_scales, v_data):
         decode_len = 0
-    if decode_len > 0 and max_query_len > 0:
+    if decode_len > 0 and max_query_len > 0 and short_queries:
         kernels.paged_attention(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks,

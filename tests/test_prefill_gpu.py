@@ -118,6 +118,14 @@ def test_prefill_kv_modes(head_dim, mode, gen):
     _run(gen, "HND", head_dim, 4, torch.bfloat16, seq_lens, q_lens, mode=mode, sinks=True, window=100)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "token_rows"])
+def test_prefill_only_long_requests_with_host_lengths(layout, gen):
+    """Host lengths showing no request of decode length: the decode kernel is not launched, and every
+    row still comes from the prefill kernel."""
+    page_size = 1 if layout == "token_rows" else 16
+    _run(gen, layout, 128, 4, torch.float16, [300, 1200, 40], [300, 200, 17], page_size=page_size, host_lengths=True)
+
+
 def test_prefill_long_ragged(gen):
     """Lengths up to 20000: a long chunk over a long prefix next to short requests."""
     _run(gen, "NHD", 128, 2, torch.bfloat16, [20000, 9000, 300, 5], [1500, 9000, 300, 5], num_kv_heads=1,
