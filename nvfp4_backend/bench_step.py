@@ -116,7 +116,7 @@ def ours(step: Step, device, gen):
     scale = 1 / math.sqrt(mix.head_dim)
     max_q = max(step.new)
     plan = ops.plan_attention(len(step.new), mix.kv_heads, mix.q_heads // mix.kv_heads, max_q, int(step.seq_lens.max()),
-                              mix.head_dim, ops.num_sms(device), device=device)
+                              mix.head_dim, ops.num_sms(device), device=device, query_lens=step.new)
     ws = plan.allocate_workspace(device)
     out = torch.empty_like(step.q)
 

@@ -28,7 +28,7 @@ _lib.define(
     "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
     "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
     "float logits_soft_cap, Tensor? sinks, int max_query_len, int num_splits, Tensor(b!) workspace, "
-    "str rotation=\"none\", int heads_per_block=1, bool fused=False, bool short_queries=True) -> ()")
+    "str rotation=\"none\", int heads_per_block=1, bool fused=False, int decode_query_len=-1) -> ()")
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -159,11 +159,14 @@ class AttentionPlan:
     the split-KV count, the workspace the splits need, how many kv heads one thread block serves
     and whether the fused kernel runs (``fused_allowed``: one block of 12 or 16 warps per
     ``heads_per_block`` kv heads, where the GPU gives a block the shared memory; elsewhere the
-    same plan runs one kv head per block)."""
+    same plan runs one kv head per block).  ``decode_query_len``: the longest query the decode kernel
+    serves (the requests of up to that many tokens; longer ones go to the prefill kernel; 0: the
+    decode kernel is not launched); None: every request it can hold (``jit.decode_query_len``)."""
     num_splits: int
     workspace_bytes: int
     heads_per_block: int = 1
     fused: bool = False
+    decode_query_len: int | None = None
 
     def allocate_workspace(self, device) -> torch.Tensor:
         return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)
@@ -329,7 +332,7 @@ def _check_heads_per_block(name: str, group_size: int, max_query_len: int, heads
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
                    heads_per_block: int | None = None, token_major: bool = False,
-                   fused: bool | None = None, device=None) -> AttentionPlan:
+                   fused: bool | None = None, device=None, query_lens=None) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
@@ -338,6 +341,9 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     ``fused``: run the fused kernel (``fused_allowed``); None lets the planner choose
     (``_plan_fused``; only when ``heads_per_block`` is None too, and, given ``device``, where
     ``fused_fits(device)``).
+    ``query_lens``: the step's query lengths on the host, where the caller has them (a mixed batch):
+    the decode kernel is then planned for its own requests' longest query (``decode_query_len``), and
+    not launched when there are none.
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
     NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
@@ -350,9 +356,14 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     # the decode kernel's share of the call: queries up to decode_query_len tokens (longer ones are
     # the prefill kernel's, which needs no plan)
-    max_query_len = min(max_query_len, jit.decode_query_len(group_size, head_dim))
+    limit = jit.decode_query_len(group_size, head_dim)
+    decode_query_len = None
+    if query_lens is not None:
+        decode_query_len = max((int(n) for n in query_lens if 0 < int(n) <= limit), default=0)
+        max_query_len = decode_query_len
+    max_query_len = min(max_query_len, limit)
     if max_query_len < 1:
-        return AttentionPlan(1, 0)
+        return AttentionPlan(1, 0, decode_query_len=decode_query_len)
     if heads_per_block is not None:
         _check_heads_per_block("heads_per_block", group_size, max_query_len, heads_per_block, head_dim, bool(fused))
     if fused and not fused_allowed(head_dim, group_size, max_query_len, heads_per_block or 1):
@@ -363,7 +374,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     def plan(splits: int, heads_per_block: int, fused: bool = False) -> AttentionPlan:
         # per split and kv head: fp32 partial output [rows, D] plus running max and sum per row
         workspace = batch_size * num_kv_heads * splits * rows * (head_dim + 2) * 4 if splits > 1 else 0
-        return AttentionPlan(splits, workspace, heads_per_block, fused)
+        return AttentionPlan(splits, workspace, heads_per_block, fused, decode_query_len)
 
     choice = None
     if fused is None and heads_per_block is None and (device is None or fused_fits(device)):
@@ -469,15 +480,18 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if plan is None:
         lens = seq_lens if seq_lens_cpu is None else seq_lens_cpu
         max_seq_len = int(lens.max()) if batch else 0
+        query_lens = None if query_start_loc_cpu is None else (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
         plan = plan_attention(batch, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, max(max_query_len, 1),
-                              max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major, device=dev)
+                              max_seq_len, cache.head_dim, num_sms(dev), token_major=cache.token_major, device=dev,
+                              query_lens=query_lens)
     if not 1 <= plan.num_splits <= MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {MAX_SPLITS}], got {plan.num_splits}")
-    decode_len = min(max_query_len, jit.decode_query_len(q.shape[1] // cache.num_kv_heads, cache.head_dim))
-    # the host lengths can show that no request is the decode kernel's: its launch is skipped
-    short_queries = True
-    if query_start_loc_cpu is not None and batch:
-        short_queries = bool(((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]) <= decode_len).any())
+    limit = jit.decode_query_len(q.shape[1] // cache.num_kv_heads, cache.head_dim)
+    decode_len = min(max_query_len, limit)
+    if plan.decode_query_len is not None:
+        if not (isinstance(plan.decode_query_len, int) and 0 <= plan.decode_query_len <= limit):
+            raise ValueError(f"plan.decode_query_len must be an int in [0, {limit}], got {plan.decode_query_len!r}")
+        decode_len = min(plan.decode_query_len, decode_len)
     if decode_len > 0:  # no decode rows at all: the plan is not used
         _check_heads_per_block("plan.heads_per_block", q.shape[1] // cache.num_kv_heads, decode_len,
                                plan.heads_per_block, cache.head_dim, plan.fused)
@@ -493,7 +507,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     torch.ops.nvfp4_backend.paged_attention(
         out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
         float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, short_queries)
+        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, decode_len)
     return out
 
 
@@ -531,12 +545,11 @@ def _check_ranges(q, cache, block_table, seq_lens, query_start_loc) -> None:
 def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                           query_start_loc, k_global_scale, v_global_scale, softmax_scale, sliding_window,
                           logits_soft_cap, sinks, max_query_len, num_splits, workspace, rotation="none",
-                          heads_per_block=1, fused=False, short_queries=True) -> None:
+                          heads_per_block=1, fused=False, decode_query_len=-1) -> None:
     """Requests of up to decode_query_len tokens take the decode kernel (one block per request and
-    kv head holds all their rows), longer ones the prefill kernel, launched after it on the same
-    stream; a layout the decode kernel cannot read (_kernel_aligned) leaves every request to the
-    prefill kernel (short_queries False: the caller knows there are none, and the decode kernel is
-    not launched).  Off CUDA, without the kernels, or at a head dim they were not built for, the
+    kv head holds all their rows; -1: as many as it holds, 0: none), longer ones the prefill kernel,
+    launched after it on the same stream; a layout the decode kernel cannot read (_kernel_aligned)
+    leaves every request to the prefill kernel.  Off CUDA, without the kernels, or at a head dim they were not built for, the
     reference."""
     from . import jit
     if not (q.is_cuda and q.shape[2] in fmt.SUPPORTED_HEAD_DIMS and jit.kernels_available(q.device)):
@@ -552,14 +565,16 @@ def _paged_attention_impl(out, q, k_data, k_block_scales, v_data, v_block_scales
         out[first:last].copy_(res[first:last])
         return
     kernels = jit.load(q.device)
-    decode_len = jit.decode_query_len(q.shape[1] // k_data.shape[2], q.shape[2])
+    decode_len = min(max_query_len, jit.decode_query_len(q.shape[1] // k_data.shape[2], q.shape[2]))
+    if decode_query_len >= 0:
+        decode_len = min(decode_len, decode_query_len)
     if not _kernel_aligned(k_data, k_block_scales, v_data):
         decode_len = 0
-    if decode_len > 0 and max_query_len > 0 and short_queries:
+    if decode_len > 0:
         kernels.paged_attention(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks,
-            min(max_query_len, decode_len), num_splits, workspace, rotation, heads_per_block, fused)
+            decode_len, num_splits, workspace, rotation, heads_per_block, fused)
     if max_query_len > decode_len:
         kernels.paged_prefill(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,

@@ -2,6 +2,8 @@
 checking, their custom-op registration and ``torch.compile``."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 import types
@@ -110,6 +112,16 @@ def test_plan_covers_the_decode_share_of_a_long_call(group_size, head_dim):
     for max_query_len in (share + 1, 4096):
         got = ops.plan_attention(8, 8, group_size, max_query_len, 20000, head_dim)
         assert got == ops.plan_attention(8, 8, group_size, share, 20000, head_dim)
+
+
+def test_plan_from_query_lens_sizes_the_decode_share():
+    """With the step's query lengths, the decode kernel is planned for its own requests only: a mixed
+    batch of decodes and long chunks plans as the decodes alone; no short request, no decode launch."""
+    mixed = ops.plan_attention(65, 8, 4, 2048, 14336, 128, query_lens=[1] * 64 + [2048])
+    assert mixed.decode_query_len == 1
+    assert dataclasses.replace(mixed, decode_query_len=None) == ops.plan_attention(65, 8, 4, 1, 14336, 128)
+    assert ops.plan_attention(2, 8, 4, 2048, 14336, 128, query_lens=[2048, 700]).decode_query_len == 0
+    assert ops.plan_attention(3, 8, 4, 2048, 14336, 128, query_lens=[3, 16, 17]).decode_query_len == 16
 
 
 def test_host_lengths_replace_device_reads(make_batch, monkeypatch):

@@ -158,13 +158,18 @@ def _mixed_step(gen, layout="NHD"):
     return cache, batch
 
 
-def test_mixed_batch_graph_replays_bit_equal_with_new_lengths(gen):
+@pytest.mark.parametrize("planned_by_lengths", [False, True])
+def test_mixed_batch_graph_replays_bit_equal_with_new_lengths(planned_by_lengths, gen):
     """Decodes and prefill chunks in one call, captured in one CUDA graph: the replay equals eager,
-    bit for bit, also after new lengths and new cache contents are written into the same buffers."""
+    bit for bit, also after new lengths and new cache contents are written into the same buffers
+    (planned from the step's query lengths, the decode kernel serves up to 2 tokens, the prefill
+    kernel the rest)."""
     cache, batch = _mixed_step(gen)
     kg, vg = _scales(gen)
     max_q, max_len = 600, 1600
-    plan = ops.plan_attention(6, 2, 4, max_q, max_len, 128, device=torch.device(DEV))
+    lens = dict(query_lens=[1, 1, 1, 2, 600, 300]) if planned_by_lengths else {}
+    plan = ops.plan_attention(6, 2, 4, max_q, max_len, 128, device=torch.device(DEV), **lens)
+    assert plan.decode_query_len == (2 if planned_by_lengths else None)
     ws = plan.allocate_workspace(DEV)
     out = torch.empty_like(batch.q)
 
