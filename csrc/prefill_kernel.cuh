@@ -46,10 +46,7 @@ struct Config {
   static constexpr int kWarpRows = 16 * kRowTiles;
   static constexpr int kRows = kWarpRows * kWarps;  // packed query rows per block
   static_assert(kRows == prefill_rows(kHeadDim), "the host sizes tiles by prefill_rows()");
-#ifndef NVFP4_PREFILL_TILE_TOKENS  // experiment: KV positions per tile up to D 128
-#define NVFP4_PREFILL_TILE_TOKENS 64
-#endif
-  static constexpr int kTileTokens = kHeadDim <= 128 ? NVFP4_PREFILL_TILE_TOKENS : 32;  // KV positions per tile
+  static constexpr int kTileTokens = kHeadDim <= 128 ? 64 : 32;  // KV positions per tile (docs/kernels.md#prefill)
   static constexpr int kPitch = kHeadDim + 8;  // 16-bit elements per row: the 16-byte pad keeps ldmatrix conflict-free
   static constexpr int kDataBytes = kHeadDim / 2, kScaleBytes = kHeadDim / 16;
   static constexpr int kStages = 2;  // NVFP4 tiles in flight
