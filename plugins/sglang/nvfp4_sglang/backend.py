@@ -30,9 +30,6 @@ from . import BACKEND_NAME
 
 log = logging.getLogger("nvfp4_sglang")
 
-_NO_SPLIT = ops.AttentionPlan(num_splits=1, workspace_bytes=0)
-
-
 @dataclass
 class ForwardMetadata:
     """One step's arguments to ``ops.paged_attention`` (views of preallocated buffers in graphs).
@@ -89,15 +86,13 @@ class NVFP4XQABackend(AttentionBackend):
         self.forward_metadata = None
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> ops.AttentionPlan:
-        if max_query_len > 1:
-            # NOTE: split-KV exists for decode occupancy; an extend has q_len x group rows to spread
-            # over the GPU, and plan_attention sizes its workspace by max_query_len (GBs for a long
-            # prompt), so extends run unsplit.
-            return _NO_SPLIT
-        return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, 1, max_seq_len,
-                                  self.token_to_kv_pool.head_dim, self.num_sms, token_major=True,  # token rows
-                                  device=self.device)
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int, query_lens=None) -> ops.AttentionPlan:
+        """The decode kernel's share of the step (its workspace is bounded by the decode kernel's rows);
+        with an extend's host lengths, for the short requests only (longer ones take the prefill
+        kernel, which needs no plan)."""
+        return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, max_query_len,
+                                  max_seq_len, self.token_to_kv_pool.head_dim, self.num_sms,
+                                  token_major=True, device=self.device, query_lens=query_lens)  # token rows
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""
@@ -118,7 +113,7 @@ class NVFP4XQABackend(AttentionBackend):
             max_q = max(fb.extend_seq_lens_cpu, default=0)
             qsl = torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens[:bs], 0, dtype=torch.int32), (1, 0))
         max_seq = int(fb.seq_lens_cpu[:bs].max()) if bs else 0
-        plan = self._plan(bs, max_q, max_seq)
+        plan = self._plan(bs, max(max_q, 1), max_seq, None if mode.is_decode_or_idle() else fb.extend_seq_lens_cpu[:bs])
         if self._workspace.numel() < plan.workspace_bytes:  # grow-only scratch
             self._workspace = plan.allocate_workspace(self.device)
         self.forward_metadata = ForwardMetadata(
