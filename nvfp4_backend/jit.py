@@ -12,7 +12,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import re
 import sys
@@ -20,16 +19,9 @@ from pathlib import Path
 
 import torch
 
-from . import format as fmt
-
-log = logging.getLogger("nvfp4_backend")
-
 KERNEL_SOURCES = ("write_kv.cu", "gather_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
                   "paged_decode_hd256.cu")
 BINDING_SOURCE = "binding.cpp"
-MAX_DECODE_ROWS = 64
-"""Query rows (q_len x group size) one decode thread block serves; longer extends take the
-dequantize + dense attention path."""
 
 
 def csrc_dir() -> Path:
@@ -172,40 +164,3 @@ def load(device: torch.device | None = None):
     """The kernel ops namespace (``torch.ops.nvfp4_backend_C``) built for ``device``'s arch."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     return _load_for(torch.cuda.get_device_capability(device))
-
-
-_unavailable: dict[tuple[int, int], str] = {}
-
-
-def kernels_available(device: torch.device) -> bool:
-    """True when the kernels are built (or build now) for ``device``; otherwise warn once."""
-    if os.environ.get("NVFP4_BACKEND_KERNELS", "1") == "0":
-        return False
-    cap = torch.cuda.get_device_capability(device)
-    if cap in _unavailable:
-        return False
-    if cap < (8, 0):
-        _unavailable[cap] = f"compute capability {cap} is below 8.0 (the kernels need SM80+: mma.sync m16n8k16, cp.async)"
-    else:
-        try:
-            _load_for(cap)
-            return True
-        except Exception as exc:  # the build environment is the user's; say why and fall back
-            _unavailable[cap] = f"{type(exc).__name__}: {exc}"
-    log.warning("nvfp4-backend CUDA kernels unavailable on %s (%s); using the PyTorch reference",
-                device, _unavailable[cap])
-    return False
-
-
-def unavailable_reason(capability: tuple[int, int]) -> str | None:
-    return _unavailable.get(capability)
-
-
-def decode_max_rows(head_dim: int) -> int:
-    """Query rows one decode thread block serves (mirrors nvfp4::decode_max_rows in csrc)."""
-    return {64: MAX_DECODE_ROWS, 128: MAX_DECODE_ROWS, 256: MAX_DECODE_ROWS // 2}.get(head_dim, 0)
-
-
-def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:
-    """Whether one decode thread block holds all query rows of a (request, kv head)."""
-    return 0 < max_query_len * group_size <= decode_max_rows(head_dim)

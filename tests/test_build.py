@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from nvfp4_backend import jit, ops
+from nvfp4_backend import capabilities, jit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def test_binding_error_messages_on_the_host(tmp_path):
 
 
 def test_fused_shared_memory_mirrors_the_kernel(tmp_path):
-    """ops.FUSED_SHARED_MEMORY, which the planner compares with a device's limit, is the fused kernel's
+    """capabilities.FUSED_SHARED_MEMORY, which the planner compares with a device's limit, is the fused kernel's
     largest block (csrc Config::kSmemBytes, compiled with nvcc on the host)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -54,7 +54,7 @@ def test_fused_shared_memory_mirrors_the_kernel(tmp_path):
     exe = tmp_path / "fused_smem"
     subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_80", str(ROOT / "tests" / "csrc" / "fused_smem.cu"),
                     "-o", str(exe)], check=True)
-    assert int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout) == ops.FUSED_SHARED_MEMORY
+    assert int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout) == capabilities.FUSED_SHARED_MEMORY
 
 
 def _info(*codes, **kw):

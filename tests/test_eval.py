@@ -14,10 +14,10 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from nvfp4_backend import format as fmt  # noqa: E402
-from nvfp4_backend.capacity import capacity_table, model_kv_bytes_per_token  # noqa: E402
-from nvfp4_backend.corpus import stdlib_prose  # noqa: E402
-from nvfp4_backend.evaluation import fake_quant_logits  # noqa: E402
-from nvfp4_backend.runner import (PagedRunner, calibrate_kv_amax, default_model_path, kv_scales_from_amax,  # noqa: E402
+from nvfp4_backend.tools.capacity import capacity_table, model_kv_bytes_per_token  # noqa: E402
+from nvfp4_backend.eval.corpus import stdlib_prose  # noqa: E402
+from nvfp4_backend.eval.evaluation import fake_quant_logits  # noqa: E402
+from nvfp4_backend.eval.runner import (PagedRunner, calibrate_kv_amax, default_model_path, kv_scales_from_amax,  # noqa: E402
                                   load_model, model_geometry)
 
 
@@ -161,7 +161,7 @@ def test_fp8_runner_perplexity_agrees_with_fake_quant(lm, text_ids):
 
 
 def test_batched_generation_equals_one_request_at_a_time(lm):
-    from nvfp4_backend.evaluation import PROMPTS, chat_prompt_ids
+    from nvfp4_backend.eval.evaluation import PROMPTS, chat_prompt_ids
     prompts = [chat_prompt_ids(lm.tokenizer, p) for p in PROMPTS[:2]]
     runner = PagedRunner(lm.model, "fp32", max_tokens=256)
     both = runner.generate(prompts, 6)
@@ -250,10 +250,10 @@ def _gpu_model_and_tokens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernel_path_agrees_with_reference_path(monkeypatch):
     """Same model on the GPU: NVFP4 decode through the CUDA kernels vs through the PyTorch reference."""
-    from nvfp4_backend import jit
+    from nvfp4_backend import capabilities
     dev = torch.device("cuda")
-    if not jit.kernels_available(dev):
-        pytest.skip(f"kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(dev))}")
+    if not capabilities.kernels_available(dev):
+        pytest.skip(f"kernels unavailable: {capabilities.unavailable_reason(torch.cuda.get_device_capability(dev))}")
     model, tokens = _gpu_model_and_tokens()
 
     def run():

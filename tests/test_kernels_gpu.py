@@ -13,8 +13,11 @@ import re
 import pytest
 import torch
 
-from nvfp4_backend import format as fmt, fuzz, jit, ops, reference
-from nvfp4_backend.layout import KVMode, PagedKVCache
+from nvfp4_backend import capabilities, extend, jit, ops, planner, reference
+from nvfp4_backend import format as fmt
+from nvfp4_backend.layout import PagedKVCache
+from nvfp4_backend.modes import KVMode
+from nvfp4_backend.tools import fuzz
 from gpu_cases import LAYOUTS, bad_values_case, fill_random, make_batch, make_cache, misaligned, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -68,7 +71,7 @@ def test_write_kv_bit_exact_many_tokens(heads, page_size, scale_rule, rotation, 
 
 
 def _check_writer(layout, head_dim, dtype, scale_rule, rotation, gen, heads, page_size, tokens=300):
-    assert jit.kernels_available(torch.device(DEV))
+    assert capabilities.kernels_available(torch.device(DEV))
     pages = -(-max(640, 2 * tokens) // page_size)
     x = torch.randn(2, tokens, heads, head_dim, generator=gen) * torch.rand(2, tokens, heads, 1, generator=gen) * 40
     x[0, 5, 1, 3] = 3000.0          # beyond 6 * 448 * g: saturates
@@ -125,7 +128,7 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     with 4 (its 16-warp block, whose rotated rows lie inside the pipeline buffers; D 256 has no fused
     kernel: its plain two-head packing); rows past the batch untouched."""
     d, hkv, ps = head_dim, 2, 16
-    group, q_len = {"many_rows": (16, jit.decode_max_rows(d) // 16), "many_splits": (4, 4),
+    group, q_len = {"many_rows": (16, capabilities.decode_max_rows(d) // 16), "many_splits": (4, 4),
                     "packed": (4, 1), "packed_single": (4, 1), "fused": (4, 4), "fused_single": (4, 4),
                     "fused_one_tile": (4, 1)}.get(case, (4, 2))
     fused = case.startswith("fused") and d <= 128
@@ -151,12 +154,12 @@ def test_modes_end_to_end(mode, head_dim, dtype, case, gen):
     q = torch.cat([batch.q, torch.randn(2, *batch.q.shape[1:], device=DEV).to(dtype)])  # 2 rows past the batch
     out = torch.full_like(q, float("nan"))
     sinks = torch.randn(hkv * group, generator=gen).to(DEV) if case == "sinks" else None
-    plan = ops.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, ops.num_sms(torch.device(DEV)),
+    plan = planner.plan_attention(3, hkv, group, max(q_lens), max(seq_lens), d, planner.num_sms(torch.device(DEV)),
                               heads_per_block=2 if case.startswith(("packed", "fused")) else None, fused=fused)
     if case.endswith("single"):
-        plan = ops.AttentionPlan(1, 0, plan.heads_per_block, plan.fused)
+        plan = planner.AttentionPlan(1, 0, plan.heads_per_block, plan.fused)
     if case == "many_splits":
-        plan = ops.AttentionPlan(301, 3 * hkv * 301 * q_len * group * (d + 2) * 4)
+        plan = planner.AttentionPlan(301, 3 * hkv * 301 * q_len * group * (d + 2) * 4)
     assert (plan.num_splits > 1) == (not case.endswith("single"))  # partial rows are rotated back too
     assert (plan.heads_per_block > 1) == case.startswith(("packed", "fused")) and plan.fused == fused
     ops.paged_attention(q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.09, out=out,
@@ -183,7 +186,7 @@ def _cases():
     """The support matrix, each axis value covered, with the combinations that stress indexing."""
     cases = []
     for head_dim, page_size, group, q_len in itertools.product([64, 128, 256], [1, 16, 32, 64, 128], [1, 4, 8, 16], [1, 2, 4, 8]):
-        if q_len * group > jit.decode_max_rows(head_dim):
+        if q_len * group > capabilities.decode_max_rows(head_dim):
             continue
         cases.append((head_dim, page_size, group, q_len))
     return cases
@@ -244,7 +247,7 @@ def _fused_cases():
     rows_cases = [(1, 1), (4, 1), (8, 1), (3, 2), (2, 4), (4, 2), (4, 4), (16, 1), (8, 2), (5, 3)]  # (group, q_len)
     for i, (head_dim, page_size, (group, q_len)) in enumerate(itertools.product([64, 128], [1, 16, 64, 128], rows_cases)):
         for heads_per_block in (1, 2, 4, 8):
-            if ops.fused_allowed(head_dim, group, q_len, heads_per_block):
+            if capabilities.fused_allowed(head_dim, group, q_len, heads_per_block):
                 num_kv_heads = [3, 5, 8][(i + heads_per_block) % 3]
                 cases.append((head_dim, page_size, group, q_len, heads_per_block, num_kv_heads, [1, 5][(i + heads_per_block) % 2]))
     return cases
@@ -276,7 +279,7 @@ def test_plans_run_the_kernel_they_name(q_len, warps, layout, gen):
     fifth template argument; 0 the static kernel), not the static kernel the launcher falls back to on
     a device that lacks the block's shared memory; and a token-major cache (NHD pages, token rows) runs
     the kernel that copies whole token rows (the last argument)."""
-    if warps and not ops.fused_fits(DEV):
+    if warps and not capabilities.fused_fits(DEV):
         pytest.skip("this GPU gives a block less shared memory than the fused kernel takes")
     page_size = 1 if layout == "token_rows" else 16
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -301,7 +304,7 @@ def test_gather_kv_bit_exact(layout, head_dim, dtype, gen):
     pages = sum(math.ceil(s / page_size) for s in seq_lens) + 3
     cache = make_cache(layout, pages, page_size, 3, head_dim, DEV)
     fill_random(cache, gen, 0, 256)
-    assert ops._gather_kernel_serves(cache)
+    assert extend._gather_kernel_serves(cache)
     batch = make_batch(seq_lens, [1] * len(seq_lens), 3, head_dim, page_size, pages, dtype, gen, DEV)
     starts = [0] + list(itertools.accumulate(seq_lens))
     k = torch.full((starts[-1], 3, head_dim), float("nan"), dtype=dtype, device=DEV)
@@ -324,7 +327,7 @@ def test_gather_kv_bit_exact(layout, head_dim, dtype, gen):
 def test_extend_path_matches_reference(layout, dtype, gather_tokens, gen, monkeypatch):
     """Prefill and chunked prefill past the decode kernel's rows (gather kernel + SDPA), requests
     dequantized one per launch or together, a request without queries in the batch."""
-    monkeypatch.setattr(ops, "EXTEND_GATHER_TOKENS", gather_tokens)
+    monkeypatch.setattr(extend, "EXTEND_GATHER_TOKENS", gather_tokens)
     page_size, kv_heads, group, head_dim = (1 if layout == "token_rows" else 16), 2, 4, 128
     seq_lens, q_lens = [300, 700, 90, 129], [300, 200, 0, 129]  # prefill, chunked prefill, idle, prefill
     pages = sum(math.ceil(s / page_size) for s in seq_lens) + 3
@@ -332,7 +335,7 @@ def test_extend_path_matches_reference(layout, dtype, gather_tokens, gen, monkey
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, kv_heads * group, head_dim, page_size, pages, dtype, gen, DEV)
     kg, vg = _scales(gen)
-    assert not jit.decode_supports(group, batch.max_query_len, head_dim)  # the dense path serves it
+    assert not capabilities.decode_supports(group, batch.max_query_len, head_dim)  # the dense path serves it
     out = torch.full_like(batch.q, float("nan"))
     ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg,
                         1 / math.sqrt(head_dim), max_query_len=batch.max_query_len, out=out)
@@ -356,10 +359,10 @@ def _check_decode(gen, layout, head_dim, page_size, group, q_len, dtype, num_kv_
     kg, vg = _scales(gen)
     sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
     scale = 1 / math.sqrt(head_dim)
-    plan = ops.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim,
+    plan = planner.plan_attention(len(seq_lens), num_kv_heads, group, batch.max_query_len, max(seq_lens), head_dim,
                               heads_per_block=heads_per_block, fused=fused)
     if splits is not None:
-        plan = ops.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4,
+        plan = planner.AttentionPlan(splits, len(seq_lens) * num_kv_heads * splits * q_len * group * (head_dim + 2) * 4,
                                  heads_per_block, fused)
     assert plan.heads_per_block == heads_per_block and plan.fused == fused
     out = torch.full_like(batch.q, float("nan"))
@@ -400,12 +403,12 @@ def test_binding_rejects_bad_arguments(gen):
     batch = make_batch([300, 40], [1, 1], 8, 128, 16, 64, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
     kernels = jit.load(torch.device(DEV))
-    workspace = torch.empty(2 * 2 * (ops.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
+    workspace = torch.empty(2 * 2 * (capabilities.MAX_SPLITS + 1) * 4 * 130 * 4 + 16, dtype=torch.uint8, device=DEV)
     # the messages that format numbers, dtypes and devices matter most: see text() in csrc/binding.cpp
     q32 = batch.q.float()
     cases = [  # (q, num_splits, workspace, max_query_len, heads_per_block, message)
-        (batch.q, ops.MAX_SPLITS + 1, workspace, 1, 1,
-         rf"num_splits must lie in \[1, {ops.MAX_SPLITS}\], got {ops.MAX_SPLITS + 1}"),
+        (batch.q, capabilities.MAX_SPLITS + 1, workspace, 1, 1,
+         rf"num_splits must lie in \[1, {capabilities.MAX_SPLITS}\], got {capabilities.MAX_SPLITS + 1}"),
         (batch.q, 2, workspace[4:], 1, 1, "workspace must be 16-byte aligned"),
         (batch.q, 1, workspace, 100, 1, r"max_query_len \* group_size = 400 exceeds the decode kernel's 64 rows at head_dim 128"),
         (q32, 1, workspace, 1, 1, "q must be float16 or bfloat16, got Float"),
@@ -451,7 +454,7 @@ def test_cuda_graph_replay_and_determinism(heads_per_block, fused, gen):
     fill_random(cache, gen)
     batch = make_batch(seq_lens, q_lens, 8, 128, 16, 200, torch.bfloat16, gen, DEV)
     kg, vg = _scales(gen)
-    plan = ops.plan_attention(3, 2, 4, 1, 1200, 128, heads_per_block=heads_per_block, fused=fused)
+    plan = planner.plan_attention(3, 2, 4, 1, 1200, 128, heads_per_block=heads_per_block, fused=fused)
     assert plan.num_splits > 1 and plan.fused == fused
     ws = plan.allocate_workspace(DEV)
     out = torch.empty_like(batch.q)
@@ -522,7 +525,7 @@ def test_bad_values_give_the_reference_nan_pattern(heads_per_block, fused, gen):
     case = bad_values_case(DEV, gen)
     b = case.batch
     out = torch.full_like(case.q, 7.0)
-    plan = ops.plan_attention(b.seq_lens.shape[0], case.cache.num_kv_heads, case.q.shape[1] // case.cache.num_kv_heads,
+    plan = planner.plan_attention(b.seq_lens.shape[0], case.cache.num_kv_heads, case.q.shape[1] // case.cache.num_kv_heads,
                               1, int(b.seq_lens.max()), case.q.shape[2], heads_per_block=heads_per_block, fused=fused)
     assert plan.fused == fused
     ops.paged_attention(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc, case.kg, case.vg, 0.1,
@@ -557,7 +560,7 @@ def test_runs_on_the_tensors_device_and_current_stream(index, gen):
     key = torch.randn(3, hkv, d, generator=gen).to(torch.bfloat16).to(dev)
     slots = torch.tensor([int(batch.block_table[b, (s - 1) // ps]) * ps + (s - 1) % ps
                           for b, s in enumerate(seq_lens)], device=dev)
-    plan = ops.plan_attention(3, hkv, group, 1, 1200, d)
+    plan = planner.plan_attention(3, hkv, group, 1, 1200, d)
     ws = plan.allocate_workspace(dev)
     out = torch.full_like(batch.q, float("nan"))
     stream = torch.cuda.Stream(dev)

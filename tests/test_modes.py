@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nvfp4_backend import format as fmt, ops, reference
-from nvfp4_backend.layout import KVMode, PagedKVCache
+from nvfp4_backend.layout import PagedKVCache
+from nvfp4_backend.modes import KVMode
 
 
 @pytest.fixture
@@ -151,7 +152,7 @@ def test_mode_names_round_trip(name):
 
 
 def test_configured_mode_reads_the_environment(monkeypatch):
-    from nvfp4_backend.layout import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
+    from nvfp4_backend.modes import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
     monkeypatch.delenv(KV_MODE_ENV, raising=False)
     assert configured_kv_mode() == KVMode.from_name(DEFAULT_KV_MODE)
     monkeypatch.setenv(KV_MODE_ENV, " hadamard-6or4 ")

@@ -22,15 +22,15 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from nvfp4_backend import PagedKVCache, ops
-from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
-from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend import PagedKVCache, ops, planner
+from nvfp4_backend.capabilities import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME
 
 log = logging.getLogger("nvfp4_sglang")
 
-_NO_SPLIT = ops.AttentionPlan(num_splits=1, workspace_bytes=0)
+_NO_SPLIT = planner.AttentionPlan(num_splits=1, workspace_bytes=0)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ForwardMetadata:
     seq_lens: torch.Tensor         # [batch] int32
     query_start_loc: torch.Tensor  # [batch + 1] int32 query row offsets
     max_query_len: int
-    plan: ops.AttentionPlan
+    plan: planner.AttentionPlan
     workspace: torch.Tensor        # uint8 scratch of at least plan.workspace_bytes
 
 
@@ -79,7 +79,7 @@ class NVFP4XQABackend(AttentionBackend):
         # Largest per-rank GQA group: sizes workspaces before any layer is seen (replicated kv
         # heads under TP only shrink it).
         self.group_bound = max(cfg.num_attention_heads // max(cfg.num_key_value_heads, 1), 1)
-        self.num_sms = ops.num_sms(self.device)
+        self.num_sms = planner.num_sms(self.device)
         # This backend writes and reads the pool, so the engine uses the one mode read here.
         self.kv_mode = configured_kv_mode()
         log.info("%s: NVFP4 KV mode %r ($%s)", BACKEND_NAME, self.kv_mode.name, KV_MODE_ENV)
@@ -89,15 +89,15 @@ class NVFP4XQABackend(AttentionBackend):
         self.forward_metadata = None
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> ops.AttentionPlan:
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> planner.AttentionPlan:
         if max_query_len > 1:
             # NOTE: split-KV exists for decode occupancy; an extend has q_len x group rows to spread
             # over the GPU, and plan_attention sizes its workspace by max_query_len (GBs for a long
             # prompt), so extends run unsplit.
             return _NO_SPLIT
-        return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, 1, max_seq_len,
-                                  self.token_to_kv_pool.head_dim, self.num_sms, token_major=True,  # token rows
-                                  device=self.device)
+        return planner.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, 1, max_seq_len,
+                                      self.token_to_kv_pool.head_dim, self.num_sms, token_major=True,  # token rows
+                                      device=self.device)
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import format as fmt
-from . import ops, reference
-from .layout import KVMode, PagedKVCache
+from .. import format as fmt
+from .. import ops, reference
+from ..layout import PagedKVCache
+from ..modes import KVMode
 
 ATTN_IMPLEMENTATION = "nvfp4_backend_paged"
 FP8_MAX = 448.0
@@ -435,13 +436,13 @@ def kernel_path(device) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return "PyTorch reference (CPU)"
-    from . import jit
-    if jit.kernels_available(device):
+    from .. import capabilities, jit
+    if capabilities.kernels_available(device):
         return (f"CUDA kernels ({jit.module_name(torch.cuda.get_device_capability(device))}) for decode "
-                f"(q_len x group <= {jit.decode_max_rows(128)}, {jit.decode_max_rows(256)} at head dim 256); "
+                f"(q_len x group <= {capabilities.decode_max_rows(128)}, {capabilities.decode_max_rows(256)} at head dim 256); "
                 f"longer prefills dequantized once and run through torch SDPA (window, soft-cap or sinks: "
                 f"the PyTorch reference)")
-    return f"PyTorch reference on the GPU (kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(device))})"
+    return f"PyTorch reference on the GPU (kernels unavailable: {capabilities.unavailable_reason(torch.cuda.get_device_capability(device))})"
 
 
 # ============================================================================ loading

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .evaluation import PROMPTS, check_out_path
+from ..eval.evaluation import PROMPTS, check_out_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +46,8 @@ def _validate(args) -> None:
 
 def _gpu_microbench(num_kv_heads: int, group: int, head_dim: int, device) -> list[dict]:
     """ops.paged_attention decode time (batch 16) at a few context lengths, this model's head shape."""
-    from . import ops
-    from .layout import PagedKVCache
+    from .. import ops, planner
+    from ..layout import PagedKVCache
     rows = []
     batch, page = 16, 16
     for ctx in (1024, 4096, 16384):
@@ -62,7 +62,7 @@ def _gpu_microbench(num_kv_heads: int, group: int, head_dim: int, device) -> lis
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, num_kv_heads * group, head_dim, dtype=torch.bfloat16, device=device)
         one = torch.ones((), dtype=torch.float32, device=device)
-        plan = ops.plan_attention(batch, num_kv_heads, group, 1, ctx, head_dim, ops.num_sms(device), device=device)
+        plan = planner.plan_attention(batch, num_kv_heads, group, 1, ctx, head_dim, planner.num_sms(device), device=device)
         ws = plan.allocate_workspace(device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, bt, seq, qsl, one, one, head_dim ** -0.5, max_query_len=1,  # noqa: E731
@@ -88,8 +88,8 @@ def run(args) -> int:
     from rich.table import Table
 
     from .capacity import capacity_table, model_kv_bytes_per_token
-    from .evaluation import BASELINE, EvalSettings, chat_prompt_ids, evaluate, render_table
-    from .runner import PagedRunner, kernel_path, load_model, model_geometry
+    from ..eval.evaluation import BASELINE, EvalSettings, chat_prompt_ids, evaluate, render_table
+    from ..eval.runner import PagedRunner, kernel_path, load_model, model_geometry
 
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:
@@ -158,7 +158,7 @@ def run(args) -> int:
     # ---- short eval
     eval_data = None
     if args.eval_tokens:
-        # "nvfp4-6or4": the plugins' default KV mode (layout.DEFAULT_KV_MODE), next to plain NVFP4
+        # "nvfp4-6or4": the plugins' default KV mode (modes.DEFAULT_KV_MODE), next to plain NVFP4
         settings = EvalSettings(model=args.model, formats=(BASELINE, "fp8", "nvfp4", "nvfp4-6or4"),
                                 tokens=args.eval_tokens,
                                 window=args.eval_window, prompts=0, gen_tokens=0, calib_tokens=0, device=device,

@@ -159,7 +159,7 @@ _FQ_STATE: dict = {}
 
 
 def _fake_quant(x: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
-    from . import format as fmt
+    from .. import format as fmt
     from .runner import FP8_MAX
     if kind == "nvfp4":
         return fmt.dequantize(*fmt.quantize(x, scale), scale)
@@ -237,7 +237,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def evaluate(settings: EvalSettings, loaded=None) -> EvalResult:
     """Run the evaluation; returns the JSON-ready results (see the module docstring)."""
-    from . import __version__
+    from .. import __version__
     from .runner import KV_FORMATS, PagedRunner, calibrate_kv_amax, kernel_path, kv_scales_from_amax, load_model
 
     settings.validate()

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from . import format as fmt, jit, ops, reference
-from .layout import KVMode, PagedKVCache
+from .. import capabilities, ops, planner, reference
+from .. import format as fmt
+from ..layout import PagedKVCache
+from ..modes import KVMode
 
 DEFAULT_GRID = [(64, 8192), (256, 2048), (32, 8192), (8, 32768), (1, 131072), (128, 512), (16, 16384)]
 
@@ -39,8 +41,8 @@ def add_arguments(p) -> None:
                         "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None,
-                   help="override the split planner's target for plain decode at D <= 128 (ops.SPLIT_BLOCKS_PER_SM); "
-                        "the targets of the other kernels, and the heads-per-block picker's wave, scale with it (ops._blocks_per_sm)")
+                   help="override the split planner's target for plain decode at D <= 128 (planner.SPLIT_BLOCKS_PER_SM); "
+                        "the targets of the other kernels, and the heads-per-block picker's wave, scale with it (planner.blocks_per_sm)")
     p.add_argument("--heads-per-block", type=int, default=None,
                    help="kv heads per decode thread block for q_len 1 (1, 2, 4; 8 with --fused on; default: the "
                         "planner's choice)")
@@ -174,7 +176,7 @@ class UniformBatch:
         """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl)."""
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
-        plan = ops.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
+        plan = planner.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
                                   self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
                                   token_major=cache.token_major, fused=fused, device=q.device)
         wsp = plan.allocate_workspace(q.device)
@@ -230,7 +232,7 @@ def bench_case(B, L, page_size, args, device, gen, fi, ws) -> list[dict]:
         q = torch.randn(B * q_len, hq, d, dtype=torch.bfloat16, device=device)
         # same bytes; a rotating mode adds q H and out H
         fused = {"auto": None, "on": True, "off": False}[getattr(args, "fused", "auto")]
-        if fused and not ops.fused_allowed(d, hq // hkv, q_len, getattr(args, "heads_per_block", None) or 1):
+        if fused and not capabilities.fused_allowed(d, hq // hkv, q_len, getattr(args, "heads_per_block", None) or 1):
             fused = False
         call, out, plan, qsl = batch.attention(q, q_len, dataclasses.replace(batch.cache, mode=mode),
                                                getattr(args, "heads_per_block", None), fused)
@@ -309,7 +311,7 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws) -> list[dic
     # eager for every implementation: the dense path reads lengths on the host and cannot be
     # captured, so graph replays of the peer would not compare like with like
     t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
-    path = "decode kernel" if jit.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
+    path = "decode kernel" if capabilities.decode_supports(hq // hkv, new, d) else "dense (SDPA)"
     rows = [dict(B=B, ctx=ctx, new=new, page_size=page_size, impl="nvfp4-backend", kv="nvfp4", path=path, us=t,
                  tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
     if fi is not None:
@@ -377,7 +379,7 @@ def run(args) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     if args.blocks_per_sm:
-        ops.SPLIT_BLOCKS_PER_SM = args.blocks_per_sm
+        planner.SPLIT_BLOCKS_PER_SM = args.blocks_per_sm
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     grid = DEFAULT_GRID if not args.grid else [tuple(int(x) for x in c.split("x")) for c in args.grid.split(",")]

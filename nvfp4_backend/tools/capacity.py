@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import format as fmt
+from .. import format as fmt
 
 
 @dataclass(frozen=True)

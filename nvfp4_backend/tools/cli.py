@@ -17,7 +17,7 @@ def _version(dist: str) -> str:
 
 def _kv_mode() -> str:
     """The accuracy mode both plugins will use in this environment."""
-    from .layout import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
+    from ..modes import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
     try:
         mode = configured_kv_mode().name
     except ValueError as exc:
@@ -28,7 +28,8 @@ def _kv_mode() -> str:
 def cmd_info(args) -> int:
     import torch
 
-    from . import __version__, format as fmt, jit
+    from .. import __version__, capabilities, jit
+    from .. import format as fmt
 
     info = {
         "nvfp4-backend": __version__,
@@ -44,8 +45,8 @@ def cmd_info(args) -> int:
         dev = torch.device("cuda", torch.cuda.current_device())
         cap = torch.cuda.get_device_capability(dev)
         info["gpu"] = f"{torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]})"
-        ok = jit.kernels_available(dev)
-        info["cuda kernels"] = f"loaded ({jit.module_name(cap)})" if ok else f"unavailable: {jit.unavailable_reason(cap)}"
+        ok = capabilities.kernels_available(dev)
+        info["cuda kernels"] = f"loaded ({jit.module_name(cap)})" if ok else f"unavailable: {capabilities.unavailable_reason(cap)}"
     else:
         info["gpu"] = "none (the PyTorch reference path serves all ops)"
     plugins = {}
@@ -67,16 +68,16 @@ def cmd_info(args) -> int:
 
 
 def cmd_compile_check(args) -> int:
-    from .build import compile_check
+    from ..build import compile_check
     return compile_check(args.arch)
 
 
 # Subcommands implemented in their own modules: (module, add_arguments, run).
 _EXTERNAL = {
-    "demo": ("nvfp4_backend.demo", "Generate with BF16 and NVFP4 KV on the default model, side by side"),
-    "eval": ("nvfp4_backend.evaluation", "Perplexity / KL / agreement of BF16, FP8, NVFP4 KV on a real model"),
-    "bench": ("nvfp4_backend.bench", "Decode kernel benchmark vs FlashInfer peers (GPU)"),
-    "fuzz": ("nvfp4_backend.fuzz", "Randomized differential test of the ops against the fp64 reference"),
+    "demo": ("nvfp4_backend.tools.demo", "Generate with BF16 and NVFP4 KV on the default model, side by side"),
+    "eval": ("nvfp4_backend.eval.evaluation", "Perplexity / KL / agreement of BF16, FP8, NVFP4 KV on a real model"),
+    "bench": ("nvfp4_backend.tools.bench", "Decode kernel benchmark vs FlashInfer peers (GPU)"),
+    "fuzz": ("nvfp4_backend.tools.fuzz", "Randomized differential test of the ops against the fp64 reference"),
 }
 
 

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import format as fmt, jit, ops, reference
-from .layout import LAYOUTS, PagedKVCache
+from .. import capabilities, ops, planner, reference
+from .. import format as fmt
+from ..layout import LAYOUTS, PagedKVCache
 
 TOLERANCE = 4e-3
 """Relative L2 error per request vs the fp64 reference: bf16/fp16 P and V inside the kernel."""
@@ -79,11 +80,11 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
     """A valid configuration from one seed (the same on every machine).  The cache holds at most
     ``max_elements`` K (and as many V) elements, which bounds the fp64 reference's memory."""
     rng = random.Random(seed)
-    head_dim = rng.choice(fmt.SUPPORTED_HEAD_DIMS)
+    head_dim = rng.choice(capabilities.SUPPORTED_HEAD_DIMS)
     max_token_heads = max_elements // head_dim
     group = rng.choice([1, 2, 4, 8, 16])
     kind = rng.choices(["decode", "spec", "extend"], [6, 3, 1])[0]
-    max_rows = jit.decode_max_rows(head_dim)
+    max_rows = capabilities.decode_max_rows(head_dim)
     batch = rng.choice([1, 1, 2, 3, 4, 7, 8, 16, 33, 64])
     longest = max(1, int(_log_uniform(rng, 1, max_context)))
     num_kv_heads = rng.choice([1, 2, 4, 8])
@@ -124,14 +125,14 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
         heads_per_block=_heads_per_block(rng.choice([1, 2, 4]), group, max(q_lens)))
     # drawn after all the above for the same reason: the fused kernel, with its own heads per block
     fused_heads = rng.choice([1, 2, 4, 8])
-    if rng.random() < 0.3 and ops.fused_allowed(head_dim, group, max(q_lens), fused_heads):
+    if rng.random() < 0.3 and capabilities.fused_allowed(head_dim, group, max(q_lens), fused_heads):
         cfg.fused, cfg.heads_per_block = True, fused_heads
     return cfg
 
 
 def _heads_per_block(drawn: int, group: int, max_query_len: int) -> int:
     """The drawn kv heads per block where the configuration allows it (plain decode, rows fit), else 1."""
-    return drawn if ops.heads_per_block_allowed(group, max_query_len, drawn) else 1
+    return drawn if capabilities.heads_per_block_allowed(group, max_query_len, drawn) else 1
 
 
 def fp16_weight_allowance(q, k, v, seq_lens, query_start_loc, cfg) -> torch.Tensor:
@@ -209,7 +210,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     table, seq, qsl_dev = table.to(device), seq.to(device), qsl.to(device)
     args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
-    plan = ops.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, ops.num_sms(device),
+    plan = planner.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, planner.num_sms(device),
                               heads_per_block=cfg.heads_per_block, fused=cfg.fused)
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
               logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
@@ -217,7 +218,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     ops.paged_attention(*args, out=out, **kw)
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
-    rec.update(path="kernel" if device.type == "cuda" and jit.decode_supports(cfg.group, max(cfg.q_lens), d)
+    rec.update(path="kernel" if device.type == "cuda" and capabilities.decode_supports(cfg.group, max(cfg.q_lens), d)
                else "dense", splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
     got = out[:rows]
     if not torch.isfinite(got).all():
@@ -282,7 +283,7 @@ def run(args) -> int:
         return 0 if rec["ok"] else 1
     first = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"fuzzing {args.configs} configurations from seed {first} on {device} "
-          f"(kernels: {device.type == 'cuda' and jit.kernels_available(device)})", flush=True)
+          f"(kernels: {device.type == 'cuda' and capabilities.kernels_available(device)})", flush=True)
     from tqdm import tqdm
     records, t0 = [], time.time()
     for seed in tqdm(range(first, first + args.configs), file=sys.stderr, mininterval=5):
