@@ -196,8 +196,8 @@ void gather_kv(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, c
                   block_table.stride(1) == 1 && out_start.scalar_type() == at::kLong && out_start.is_contiguous() &&
                   out_start.numel() == seq_lens.numel() && block_table.size(0) >= seq_lens.numel(),
               "block_table and seq_lens must be int32, out_start int64 with one entry per request");
-  CHECK_ARG(seq_lens.numel() <= 65535, "gather_kv serves at most 65535 requests per call (one grid row each), got ",
-              seq_lens.numel());
+  CHECK_ARG(seq_lens.numel() <= nvfp4::kGatherMaxRequests, "gather_kv serves at most ", nvfp4::kGatherMaxRequests,
+              " requests per call (one grid row each), got ", seq_lens.numel());
   nvfp4::GatherKVParams p{};
   set_cache(p, k_data, k_sf, v_data, v_sf);
   p.block_table = block_table.data_ptr<int>();

@@ -4,7 +4,7 @@ The one module the engine plugins ask.  Every limit is defined here once: the bu
 numbers into a generated C++ header (``nvfp4_limits.h``, ``jit.limits_header``) that the kernels,
 their dispatch and the binding compile against, and where a number follows from a kernel's own
 layout (its shared memory, its rows and heads per block) the build ``static_assert``s the two agree
-(csrc/decode_limits.cuh).  Shapes the kernels do not serve take the PyTorch path of the same op.
+(csrc/decode_limits.cu).  Shapes the kernels do not serve take the PyTorch path of the same op.
 """
 from __future__ import annotations
 
