@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capabilities import decode_supports, fused_allowed, fused_fits, heads_per_block_allowed
+from .capabilities import ROW_TILE, decode_supports, fused_allowed, fused_fits, heads_per_block_allowed
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,10 @@ def blocks_per_sm(rows: int, head_dim: int) -> int:
     """Blocks per SM of the kernel for ``rows`` query rows, what it keeps resident (csrc
     Config::kMinBlocksPerSm gives the launch bounds): the split planner's target and the
     heads-per-block picker's wave.  At D <= 128, SPLIT_BLOCKS_PER_SM for one row tile and for two at
-    D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose
-    kernel takes two stages per iteration in some 160 registers (bound 3; at q_len 4 on an H200 this
-    planned 1 x 131072 in 83 us instead of 93, 8 x 32768 in 143 instead of 152:
-    results/h200-2026-11-30-0aa5c27); half of it for 32 rows and for D 256, whose kernels' shared
-    memory keeps 2 (D 256 plain decode at 2 instead of 4: 1 x 131072 122 us instead of 138, other
-    split grids 5-7 % faster: results/h200-2026-11-30-2b2aa9d)."""
+    D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose kernel takes two
+    stages per iteration in some 160 registers (bound 3); half of it for 32 rows and for D 256,
+    whose kernels' shared memory keeps 2.  Planning for more blocks than stay resident leaves a
+    partial wave (the measurements: docs/decisions.md, planner)."""
     if head_dim > 128 or rows > 16:
         return max(1, SPLIT_BLOCKS_PER_SM // 2)
     if rows <= 8 or head_dim <= 64:
@@ -81,14 +79,9 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
                           slots: int) -> int:
     """Kv heads per thread block, for a wave of ``slots`` blocks (the kernel's residency,
     blocks_per_sm, times the SMs).  Packing h heads makes 1/h as many blocks, each h times as long,
-    so it pays when the blocks take fewer waves by a
-    factor of h or more; at a tie it saves each block's start and end, which won in 6 of the 8 ties
-    measured (the two losses, below, were at the longer L, which the picker does not weigh).  On an H200
-    (group 4; results/h200-2026-11-30-f6bc7ed): D 128, L 512, B 96 42.3 -> 33.0 us, 128 46.2 -> 40.2,
-    256 75.1 -> 70.7 (ties); B 192 59.5 -> 62.7 (3 waves against 2 of twice the length: not packed).
-    D 256 keeps 2 blocks per SM (results/h200-2026-11-30-93f5335): packed at B 48 / 64, L 512 49 / 49
-    us instead of 56 / 58, and at B 64, L 2048 121 instead of 127; at B 40 and 48, L 2048 (ties too)
-    packing was 6-7 % slower (117 against 110)."""
+    so it pays when the blocks take fewer waves by a factor of h or more; at a tie it saves each
+    block's start and end, which won in most of the ties measured (the losses were at longer
+    sequences, which the picker does not weigh: docs/decisions.md, planner)."""
     unpacked = _thread_blocks(batch_size, num_kv_heads, 1)
     if unpacked <= slots:
         return 1  # one wave already (an empty batch too): packing would only make the blocks longer
@@ -103,9 +96,8 @@ def _pick_heads_per_block(batch_size: int, num_kv_heads: int, group_size: int, m
 
 FUSED_MIN_TOKENS = 1024
 """Shortest KV range per kv head and split that the planner gives the fused kernel: its blocks'
-start and end cost more than the static kernels' (128 x 512 at group 4, 8 kv heads per block,
-33.9-34.0 us against 32.8-33.2 with the work-queue variant that preceded it; 4 query tokens on the
-12-warp kernel 56.7-56.8 against 54.6-55.2: results/h200-2026-12-01-58973a9/README.md)."""
+start and end cost more than the static kernels', so short ranges stay on those (docs/decisions.md,
+planner)."""
 FUSED_MIN_FILL = 0.9
 """Least share of the SMs the fused kernel's one-block-per-SM grid must fill for the planner to pick it."""
 
@@ -118,11 +110,8 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
     may leave a partial wave (4 query tokens at 64 x 8192: 512 blocks of 3 per SM).  It takes the
     fewest heads per block whose grid fits one block per SM, and splits to fill the rest.  In a
     token-major cache, whose adjacent kv heads share 128-byte lines, two heads at least where one head
-    per block would split, as the static planner packs (plan_attention).  On an H200 with the
-    row-copying kernels (NHD pages of 16, D 128, group 4; results/h200-2026-12-01-21fa567/row-copies/
-    hpb.log): 1 x 131072 60.6-60.8 us at 2 heads and 33 splits against 66.4-69.1 at 1 and 16; 8 x
-    32768 105.6-105.8 against 103.9-104.1 and 4 x 65536 103.6-106.2 against 104.3-104.7 (near ties);
-    unsplit at 1 head, 16 x 16384 101.1 against 105.4-105.8 at 2 heads and 2 splits."""
+    per block would split, as the static planner packs (plan_attention); unsplit grids keep one
+    head per block (docs/decisions.md, planner)."""
     if batch_size == 0:
         return None
     pack = (token_major and num_kv_heads > 1
@@ -138,8 +127,8 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
     splits = _splits_to_fill(blocks, num_sms, max_seq_len)
     if blocks * splits < FUSED_MIN_FILL * num_sms or max_seq_len < splits * FUSED_MIN_TOKENS:
         return None
-    if splits > 1 and max_query_len * group_size > 8:
-        return None  # two row tiles split: 1 x 131072 at 4 query tokens 74.5-74.9 us against 72.8-74.2
+    if splits > 1 and max_query_len * group_size > ROW_TILE:
+        return None  # two row tiles split: no faster than the static kernels (docs/decisions.md, planner)
     return heads_per_block, splits
 
 
@@ -173,9 +162,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     ``token_major``: the cache keeps a token's kv heads side by side (``PagedKVCache.token_major``:
     NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
-    reads at once.  On an H200 (D 128, group 4, 8 kv heads, NHD pages of 16;
-    results/h200-2026-11-30-495a8df): 1 x 131072 80.0 -> 67.4 us, 8 x 32768 121.5 -> 115.9,
-    16 x 16384 118.0 -> 114.8, 32 x 8192 117.3 -> 116.2; head-major pages lose 1-6 % by packing there.
+    reads at once (head-major pages lose by packing there: docs/decisions.md, planner).
     """
     if not (isinstance(num_sms, int) and num_sms > 0):
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")

@@ -31,6 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import __version__
+from .fake_quant import fake_quant_logits
+from .kv_stores import KV_FORMATS, kv_scales_from_amax
+from .models import load_model, model_geometry
+from .provenance import device_name, git_commit, package_version
+from .runner import PagedRunner, calibrate_kv_amax, kernel_path
+
 DEFAULT_FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4-amax")
 BASELINE = "bf16"
 
@@ -67,7 +74,6 @@ class EvalSettings:
     progress: bool = True
 
     def validate(self) -> None:
-        from .runner import KV_FORMATS
         for f in self.formats:
             if f not in KV_FORMATS:
                 raise ValueError(f"--formats: unknown format {f!r}; choose from {list(KV_FORMATS)}")
@@ -153,64 +159,6 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-# ============================================================================ fake-quant cross-check
-FAKE_QUANT_IMPLEMENTATION = "nvfp4_backend_fake_quant"
-_FQ_STATE: dict = {}
-
-
-def _fake_quant(x: torch.Tensor, kind: str, scale: float) -> torch.Tensor:
-    from .. import format as fmt
-    from .runner import FP8_MAX
-    if kind == "nvfp4":
-        return fmt.dequantize(*fmt.quantize(x, scale), scale)
-    if kind == "fp8":
-        x = x.float() * (1.0 / scale)
-        return torch.where(torch.isnan(x), x, x.clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn).float() * scale
-    return x.float()
-
-
-def _fake_quant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """K and V rounded to the format after RoPE, then plain causal SDPA (fp32), q/out in attn_dtype."""
-    st = _FQ_STATE
-    dt, kind = st["attn_dtype"], st["kind"]
-    ks, vs = st["scales"][module.layer_idx]
-    q = query.to(dt).float()
-    k = _fake_quant(key.to(dt), kind, ks)
-    v = _fake_quant(value.to(dt), kind, vs)
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scaling,
-                                                         enable_gqa=True)
-    return o.to(dt).transpose(1, 2).to(query.dtype), None
-
-
-@torch.inference_mode()
-def fake_quant_logits(model, tokens: list[int], kv_format: str, kv_scales=None,
-                      attn_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Logits [len(tokens), vocab] of the model's own forward with fake-quantized K/V (cross-check only).
-
-    The independent computation the real path is compared with: the model's usual unpaged
-    forward, K and V rounded to the format right after RoPE (``format.quantize`` +
-    ``format.dequantize`` for NVFP4; a satfinite E4M3 cast for FP8), then SDPA.  Never used to
-    produce the eval's own numbers.
-    """
-    from transformers import AttentionInterface
-
-    from .runner import get_format, model_geometry
-    f = get_format(kv_format)
-    layers = model_geometry(model)[0]
-    kind = "nvfp4" if f.kind == "nvfp4" else ("fp8" if f.storage == torch.float8_e4m3fn else "plain")
-    if kind == "plain" and f.storage == torch.float32:
-        attn_dtype = torch.float32
-    AttentionInterface.register(FAKE_QUANT_IMPLEMENTATION, _fake_quant_attention)
-    _FQ_STATE.update(kind=kind, attn_dtype=attn_dtype, scales=kv_scales or [(1.0, 1.0)] * layers)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(FAKE_QUANT_IMPLEMENTATION)
-    try:
-        dev = next(model.parameters()).device
-        return model(input_ids=torch.tensor(tokens, device=dev)[None], use_cache=False).logits[0].float()
-    finally:
-        model.set_attn_implementation(previous)
-
-
 # ============================================================================ metrics
 @dataclass
 class _Acc:
@@ -237,9 +185,6 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def evaluate(settings: EvalSettings, loaded=None) -> EvalResult:
     """Run the evaluation; returns the JSON-ready results (see the module docstring)."""
-    from .. import __version__
-    from .runner import KV_FORMATS, PagedRunner, calibrate_kv_amax, kernel_path, kv_scales_from_amax, load_model
-
     settings.validate()
     t_start = time.time()
     formats = (BASELINE,) + tuple(f for f in settings.formats if f != BASELINE)
@@ -266,32 +211,61 @@ def evaluate(settings: EvalSettings, loaded=None) -> EvalResult:
     prompt_ids = [chat_prompt_ids(tok, p) for p in prompts]
     max_tokens = max(settings.window, sum(len(p) + settings.gen_tokens + settings.page_size for p in prompt_ids))
 
-    # ---- calibration (the *-amax formats)
-    amax = None
-    calib_s = 0.0
+    amax, calib_s = None, 0.0  # calibration of the *-amax formats, on the text right after the scored tokens
     if needs_calib:
         t = time.time()
         calib = ids[used:used + settings.calib_tokens]
         amax = calibrate_kv_amax(model, [calib], page_size=settings.page_size, attn_dtype=attn_dtype)
         calib_s = time.time() - t
+    scales = {f: kv_scales_from_amax(f, amax, settings.headroom) if KV_FORMATS[f].scale == "amax" else None
+              for f in formats}
+    runners = {f: PagedRunner(model, f, kv_scales=scales[f], page_size=settings.page_size, max_tokens=max_tokens,
+                              attn_dtype=attn_dtype) for f in formats}
+    acc = _score_windows(settings, model, runners, windows, scales, attn_dtype)
+    eos = {i for i in (tok.eos_token_id,) if i is not None}
+    gens, gen_s = _generate(settings, runners, prompt_ids, eos)
+    base = acc[BASELINE]
+    results = {f: _format_result(settings, f, acc[f], math.exp(base.nll / base.count), runners[f], gens, gen_s,
+                                 scales[f]) for f in formats}
 
-    runners = {}
-    scales = {}
-    for f in formats:
-        kv_scales = kv_scales_from_amax(f, amax, settings.headroom) if KV_FORMATS[f].scale == "amax" else None
-        scales[f] = kv_scales
-        runners[f] = PagedRunner(model, f, kv_scales=kv_scales, page_size=settings.page_size,
-                                 max_tokens=max_tokens, attn_dtype=attn_dtype)
+    layers, kv_heads, head_dim = model_geometry(model)
+    data = {
+        "schema": "nvfp4-backend-eval/1",
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model": {"name": loaded.name, "path": loaded.path, "layers": layers, "kv_heads": kv_heads,
+                  "head_dim": head_dim, "weights_dtype": settings.dtype},
+        "text": text_meta,
+        "settings": {"formats": list(formats), "tokens": used, "window": settings.window, "windows": n_windows,
+                     "chunk_size": settings.chunk_size or settings.window, "calib_tokens": settings.calib_tokens if needs_calib else 0,
+                     "calib_text": "the calib_tokens tokens right after the scored ones" if needs_calib else None,
+                     "headroom": settings.headroom, "prompts": len(prompts), "gen_tokens": settings.gen_tokens,
+                     "page_size": settings.page_size, "attn_dtype": settings.attn_dtype,
+                     "attention_math": "fp32 (q, out in attn_dtype)", "fake_quant_check": settings.fake_quant_check},
+        "environment": {"nvfp4-backend": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+                        "transformers": package_version("transformers"), "platform": platform.platform(),
+                        "device": device_name(settings.device), "torch_threads": torch.get_num_threads(),
+                        "nvfp4_attention_path": kernel_path(settings.device), "git_commit": git_commit()},
+        "kv_calibration_amax": [list(a) for a in amax] if amax else None,
+        "results": results,
+        "generations": {f: [{"prompt": p, "text": tok.decode(g, skip_special_tokens=True), "tokens": g}
+                            for p, g in zip(prompts, gens[f])] for f in gens},
+        "timing_s": {"load_model": load_s, "calibration": calib_s, "total": time.time() - t_start},
+    }
+    return EvalResult(data)
 
-    # ---- perplexity, KL, top-1 (window-major: one window's BF16 log-probs in memory at a time)
-    acc = {f: _Acc() for f in formats}
-    bar = _progress(n_windows * len(formats), "perplexity windows x formats", settings.progress)
+
+def _score_windows(settings: EvalSettings, model, runners: dict, windows: list[list[int]], scales: dict,
+                   attn_dtype: torch.dtype) -> dict[str, _Acc]:
+    """Perplexity, KL and top-1 per format against the baseline, window-major: one window's baseline
+    log-probs in memory at a time (the baseline is the first format)."""
+    acc = {f: _Acc() for f in runners}
+    bar = _progress(len(windows) * len(runners), "perplexity windows x formats", settings.progress)
     for w in windows:
         target = torch.tensor(w[1:], device=settings.device)
         ref_logp = None
-        for f in formats:
+        for f, runner in runners.items():
             t = time.time()
-            logits = runners[f].score(w, chunk_size=settings.chunk_size)[:-1]
+            logits = runner.score(w, chunk_size=settings.chunk_size)[:-1]
             logp = torch.log_softmax(logits.float(), -1)
             a = acc[f]
             a.seconds += time.time() - t
@@ -308,110 +282,60 @@ def evaluate(settings: EvalSettings, loaded=None) -> EvalResult:
             bar.update(1)
         del ref_logp
     bar.close()
+    return acc
 
-    # ---- greedy generation
-    eos = {i for i in (tok.eos_token_id,) if i is not None}
+
+def _generate(settings: EvalSettings, runners: dict, prompt_ids: list[list[int]], eos: set[int]):
+    """Greedy generations per format ({} without prompts or new tokens) and their seconds."""
     gens: dict[str, list[list[int]]] = {}
-    gen_s = {}
-    if prompts and settings.gen_tokens:
-        bar = _progress(len(formats) * settings.gen_tokens, "greedy generation formats x steps", settings.progress)
-        for f in formats:
-            t = time.time()
-            gens[f] = runners[f].generate(prompt_ids, settings.gen_tokens, eos, progress=lambda: bar.update(1))
-            gen_s[f] = time.time() - t
-            bar.n = (formats.index(f) + 1) * settings.gen_tokens
-            bar.refresh()
-        bar.close()
+    gen_s: dict[str, float] = {}
+    if not (prompt_ids and settings.gen_tokens):
+        return gens, gen_s
+    bar = _progress(len(runners) * settings.gen_tokens, "greedy generation formats x steps", settings.progress)
+    for i, (f, runner) in enumerate(runners.items()):
+        t = time.time()
+        gens[f] = runner.generate(prompt_ids, settings.gen_tokens, eos, progress=lambda: bar.update(1))
+        gen_s[f] = time.time() - t
+        bar.n = (i + 1) * settings.gen_tokens
+        bar.refresh()
+    bar.close()
+    return gens, gen_s
 
-    # ---- assemble
-    base = acc[BASELINE]
-    base_ppl = math.exp(base.nll / base.count)
-    results = {}
-    for f in formats:
-        a = acc[f]
-        ppl = math.exp(a.nll / a.count)
-        r = {
-            "description": KV_FORMATS[f].description,
-            "kv_bytes_per_token": runners[f].kv_bytes_per_token(),
-            "perplexity": ppl,
-            "perplexity_change_pct": 100.0 * (ppl / base_ppl - 1.0),
-            "mean_nll": a.nll / a.count,
-            "kl_vs_bf16": a.kl / a.count,
-            "top1_agreement_vs_bf16": a.top1 / a.count,
-            "scored_tokens": a.count,
-            "score_seconds": a.seconds,
-        }
-        if gens:
-            exact, prefix = [], []
-            for g, b in zip(gens[f], gens[BASELINE]):
-                exact.append(g == b)
-                n = 0
-                for x, y in zip(g, b):
-                    if x != y:
-                        break
-                    n += 1
-                prefix.append(n / max(len(b), 1))
-            r["greedy_exact_match_vs_bf16"] = sum(exact) / len(exact)
-            r["greedy_common_prefix_vs_bf16"] = sum(prefix) / len(prefix)
-            r["generate_seconds"] = gen_s[f]
-        if settings.fake_quant_check:
-            r["fake_quant_perplexity"] = math.exp(a.fq_nll / a.count)
-            r["real_vs_fake_quant_pct"] = 100.0 * (ppl / r["fake_quant_perplexity"] - 1.0)
-        if scales[f] is not None:
-            r["kv_scales"] = [list(s) for s in scales[f]]
-        results[f] = r
 
-    from .runner import model_geometry
-    layers, kv_heads, head_dim = model_geometry(model)
-    data = {
-        "schema": "nvfp4-backend-eval/1",
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "model": {"name": loaded.name, "path": loaded.path, "layers": layers, "kv_heads": kv_heads,
-                  "head_dim": head_dim, "weights_dtype": settings.dtype},
-        "text": text_meta,
-        "settings": {"formats": list(formats), "tokens": used, "window": settings.window, "windows": n_windows,
-                     "chunk_size": settings.chunk_size or settings.window, "calib_tokens": settings.calib_tokens if needs_calib else 0,
-                     "calib_text": "the calib_tokens tokens right after the scored ones" if needs_calib else None,
-                     "headroom": settings.headroom, "prompts": len(prompts), "gen_tokens": settings.gen_tokens,
-                     "page_size": settings.page_size, "attn_dtype": settings.attn_dtype,
-                     "attention_math": "fp32 (q, out in attn_dtype)", "fake_quant_check": settings.fake_quant_check},
-        "environment": {"nvfp4-backend": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
-                        "transformers": _version("transformers"), "platform": platform.platform(),
-                        "device": _device_name(settings.device), "torch_threads": torch.get_num_threads(),
-                        "nvfp4_attention_path": kernel_path(settings.device), "git_commit": _git_commit()},
-        "kv_calibration_amax": [list(a) for a in amax] if amax else None,
-        "results": results,
-        "generations": {f: [{"prompt": p, "text": tok.decode(g, skip_special_tokens=True), "tokens": g}
-                            for p, g in zip(prompts, gens[f])] for f in gens},
-        "timing_s": {"load_model": load_s, "calibration": calib_s, "total": time.time() - t_start},
+def _format_result(settings: EvalSettings, f: str, a: _Acc, base_ppl: float, runner, gens: dict, gen_s: dict,
+                   scales) -> dict:
+    """One format's row of the results, against the baseline's perplexity and generations."""
+    ppl = math.exp(a.nll / a.count)
+    r = {
+        "description": KV_FORMATS[f].description,
+        "kv_bytes_per_token": runner.kv_bytes_per_token(),
+        "perplexity": ppl,
+        "perplexity_change_pct": 100.0 * (ppl / base_ppl - 1.0),
+        "mean_nll": a.nll / a.count,
+        "kl_vs_bf16": a.kl / a.count,
+        "top1_agreement_vs_bf16": a.top1 / a.count,
+        "scored_tokens": a.count,
+        "score_seconds": a.seconds,
     }
-    return EvalResult(data)
-
-
-def _version(dist: str) -> str:
-    import importlib.metadata as md
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "not installed"
-
-
-def _device_name(device: str) -> str:
-    d = torch.device(device)
-    if d.type == "cuda":
-        return torch.cuda.get_device_name(d)
-    return f"cpu ({platform.processor() or platform.machine()})"
-
-
-def _git_commit() -> str | None:
-    import os
-    import subprocess
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except Exception:
-        return None
+    if gens:
+        exact, prefix = [], []
+        for g, b in zip(gens[f], gens[BASELINE]):
+            exact.append(g == b)
+            n = 0
+            for x, y in zip(g, b):
+                if x != y:
+                    break
+                n += 1
+            prefix.append(n / max(len(b), 1))
+        r["greedy_exact_match_vs_bf16"] = sum(exact) / len(exact)
+        r["greedy_common_prefix_vs_bf16"] = sum(prefix) / len(prefix)
+        r["generate_seconds"] = gen_s[f]
+    if settings.fake_quant_check:
+        r["fake_quant_perplexity"] = math.exp(a.fq_nll / a.count)
+        r["real_vs_fake_quant_pct"] = 100.0 * (ppl / r["fake_quant_perplexity"] - 1.0)
+    if scales is not None:
+        r["kv_scales"] = [list(s) for s in scales]
+    return r
 
 
 # ============================================================================ output

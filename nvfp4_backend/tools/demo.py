@@ -89,7 +89,8 @@ def run(args) -> int:
 
     from .capacity import capacity_table, model_kv_bytes_per_token
     from ..eval.evaluation import BASELINE, EvalSettings, chat_prompt_ids, evaluate, render_table
-    from ..eval.runner import PagedRunner, kernel_path, load_model, model_geometry
+    from ..eval.models import load_model, model_geometry
+    from ..eval.runner import PagedRunner, kernel_path
 
     console = Console() if sys.stdout.isatty() else Console(width=140)
     try:

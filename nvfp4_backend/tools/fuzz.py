@@ -211,7 +211,7 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
     plan = planner.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, planner.num_sms(device),
-                              heads_per_block=cfg.heads_per_block, fused=cfg.fused)
+                                  heads_per_block=cfg.heads_per_block, fused=cfg.fused)
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
               logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
     out = torch.full_like(q, float("nan"))
