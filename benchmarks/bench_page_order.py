@@ -1,6 +1,6 @@
 """Decode time by the order of a cache's pages: does page 1 cost its tokens' scatter or the page size?
 
-    python3 scripts/page_order.py [--grid 64x8192,1x131072] [--page-sizes 1,16]
+    python3 benchmarks/bench_page_order.py [--grid 64x8192,1x131072] [--page-sizes 1,16]
 
 Shape as in `nvfp4-backend bench` (32 q heads, 8 kv heads, D 128, HND, bf16, q_len 1), the same
 random cache bytes; only the block table differs:
@@ -9,7 +9,7 @@ random cache bytes; only the block table differs:
                benchmark): what a pool that hands out free slots in order gives
                when every request grows by a token per step (SGLang's token pool at page 1);
   contiguous   request r's pages one after another.
-Prints isolated / back-to-back us per order (medians of CUDA-graph replays, `bench.time_graph`).
+Prints isolated / back-to-back us per order (medians of CUDA-graph replays, `tools.timing.time_graph`).
 """
 import argparse
 import json
@@ -17,7 +17,8 @@ import types
 
 import torch
 
-from nvfp4_backend import bench
+from nvfp4_backend.tools import bench
+from nvfp4_backend.tools.timing import time_graph
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
             for name, table in orders.items():
                 batch.table = table
                 call = batch.attention(q, 1)[0]
-                t = bench.time_graph(call, args.iters)
+                t = time_graph(call, args.iters)
                 rows.append(dict(B=B, L=L, page_size=page_size, order=name, us=t.isolated, us_b2b=t.back_to_back))
                 print(f"B={B:4d} L={L:6d} ps={page_size:3d} {name:12s} {t.isolated:8.1f} / {t.back_to_back:8.1f} us",
                       flush=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Export other revisions' kernels and core for an A/B device call: ab/<name>/{csrc,nvfp4_backend} per
 # git ref (name: the ref with / -> _).  Then, in one device call (ab/ is git-ignored, so carry it):
-#   bash scripts/ab_export.sh main gpu-pending/qk-two-chains
-#   run: AB_ROUNDS=2 bash scripts/gpu_run.sh ab        carry: ["ab"]   (rounds alternate tree and revisions)
+#   bash dev/ab_export.sh main gpu-pending/qk-two-chains
+#   run: AB_ROUNDS=2 bash dev/gpu_run.sh ab        carry: ["ab"]   (rounds alternate tree and revisions)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf ab && mkdir ab

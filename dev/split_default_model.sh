@@ -2,13 +2,13 @@
 # The default model's GGUF (94 MiB) is more than one device call may carry (64 MiB), so it travels
 # in two halves, one call each.  A carried folder does not survive the next call that carries
 # another, so the first call copies its half out of the repo; the machine must still be warm
-# (it is released after ~30 s idle), then `scripts/gpu_run.sh demo` joins the halves.  Run here,
+# (it is released after ~30 s idle), then `dev/gpu_run.sh demo` joins the halves.  Run here,
 # then on the device, back to back:
 #   run(carry=[".model-a"], command="cp .model-a/part /tmp/model-a-part")
-#   run(carry=[".model-b"], command="bash scripts/gpu_run.sh demo")
+#   run(carry=[".model-b"], command="bash dev/gpu_run.sh demo")
 set -euo pipefail
 cd "$(dirname "$0")/.."
-gguf=$(python3 -c "from nvfp4_backend.runner import default_model_path; print(default_model_path())")
+gguf=$(python3 -c "from nvfp4_backend.eval.models import default_model_path; print(default_model_path())")
 half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
 rm -rf .model-a .model-b && mkdir -p .model-a .model-b
 head -c "$half" "$gguf" > .model-a/part

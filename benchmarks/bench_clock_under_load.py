@@ -5,7 +5,7 @@ lowers it under a load (power, temperature), instruction counts and occupancy re
 This runs, one after another, each for --seconds: our decode (D 128, group 4, page 16) at
 1 x 131072, 128 x 512 and 64 x 8192 (also with 4 query tokens), FlashInfer's BF16 decode at 64 x 8192
 when it is importable, the writer (16K tokens), and a device-to-device copy of random bytes and of
-zeros (HBM's energy per byte depends on the data: scripts/read_energy.py); each as CUDA-graph replays
+zeros (HBM's energy per byte depends on the data: benchmarks/bench_read_energy.py); each as CUDA-graph replays
 back to back.  decode-64x8192-written is the 64 x 8192 decode on a cache that the writer filled from
 Gaussian keys and values (codes and scales distributed roughly as a model's) instead of the
 benchmark's uniformly random codes and scale bytes in 0x28-0x47, right after the random cache's run,
@@ -14,7 +14,7 @@ range of the sampled SM clock and power draw, nvidia-smi's active clock-event re
 per call over the whole run (replays back to back, L2 warm: not the benchmark's timing), and the
 energy per call above the idle draw, measured before and after the loads.
 
-    python3 scripts/clock_under_load.py [--seconds 4] [--loads decode-64x8192,copy] [--out clocks.json]
+    python3 benchmarks/bench_clock_under_load.py [--seconds 4] [--loads decode-64x8192,copy] [--out clocks.json]
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nvfp4_backend import bench, ops  # noqa: E402
+from nvfp4_backend import ops  # noqa: E402
 from nvfp4_backend.layout import PagedKVCache  # noqa: E402
+from nvfp4_backend.tools import bench  # noqa: E402
 
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -181,7 +182,7 @@ def at_64x8192(loads, shape, device, seconds: float, rows: list) -> None:
         call, *_ = batch.attention(q, 1)
         rows.append(summary("nvfp4 decode 64x8192 written", run_for(call, seconds)))
 
-    fi = bench._flashinfer() if "flashinfer-bf16" in loads else None
+    fi = bench.load_flashinfer() if "flashinfer-bf16" in loads else None
     if fi is not None:
         ws = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
         kc, vc, dt, kw, _ = bench.flashinfer_kv("bf16", batch.cache, "HND", batch.kg, batch.vg, device)

@@ -1,12 +1,12 @@
 """Where token-major (NHD) pages lose time: the data rows or the block scales?
 
-    python3 scripts/nhd_probe.py [--grid 64x8192,1x131072,128x512] [--page-sizes 16,64] [--hpb 0,1,2,4]
+    python3 benchmarks/bench_nhd_views.py [--grid 64x8192,1x131072,128x512] [--page-sizes 16,64] [--hpb 0,1,2,4]
 
 Shape as in `nvfp4-backend bench` (by default 32 q heads, 8 kv heads, D 128, bf16, q_len 1, pages
 in random order).  One HND and one NHD cache of random bytes; each combination of their data and scale views
 is timed (the kernel takes data and scale strides separately), with the planner's heads per block
 (0) and the ones given.  Prints isolated / back-to-back us (medians of CUDA-graph replays,
-`bench.time_graph`).  --once calls each variant once, untimed, for
+`tools.timing.time_graph`).  --once calls each variant once, untimed, for
 `ncu --kernel-name regex:paged_decode` to count its memory traffic.
 """
 import argparse
@@ -15,8 +15,9 @@ import types
 
 import torch
 
-from nvfp4_backend import bench
 from nvfp4_backend.layout import PagedKVCache
+from nvfp4_backend.tools import bench
+from nvfp4_backend.tools.timing import time_graph
 
 
 def main() -> None:
@@ -58,7 +59,7 @@ def main() -> None:
                     if args.once:
                         print(f"B={B} L={L} ps={page_size} data={data} scales={scales} hpb={plan.heads_per_block}")
                         continue
-                    t = bench.time_graph(call, args.iters)
+                    t = time_graph(call, args.iters)
                     rows.append(dict(q_heads=args.q_heads, kv_heads=args.kv_heads, B=B, L=L, page_size=page_size, data=data,
                                      scales=scales, hpb=plan.heads_per_block, splits=plan.num_splits, planned=hpb == 0, us=t.isolated, us_b2b=t.back_to_back))
                     print(f"Hq={args.q_heads} Hkv={args.kv_heads} B={B:4d} L={L:6d} ps={page_size:3d} data={data} scales={scales} "

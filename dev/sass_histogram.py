@@ -10,7 +10,7 @@ nvdisasm are not in every CUDA install; the PyPI wheels carry them:
     pip download --no-deps nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm -d /tmp/nv
     for w in /tmp/nv/*.whl; do unzip -oq "$w" -d /tmp/nv/x; done
     chmod +x /tmp/nv/x/nvidia/cu13/bin/*; export PATH=/tmp/nv/x/nvidia/cu13/bin:$PATH
-    python3 scripts/sass_histogram.py csrc/paged_decode_hd128.cu --arch 90 --match Li128ELi1ELi1E --loop
+    python3 dev/sass_histogram.py csrc/paged_decode_hd128.cu --arch 90 --match Li128ELi1ELi1E --loop
 """
 from __future__ import annotations
 

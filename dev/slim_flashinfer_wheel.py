@@ -3,11 +3,11 @@
 A device call carries at most 64 MiB (the repo included); flashinfer-python 0.7.2.post1's wheel is
 62 MB.  Its fa2 decode kernels JIT-build from the rest, so dropping `flashinfer/data/csrc/` of the
 "cake" kernels, fused MoE and KDA (about 186 MB unpacked) leaves a 35 MiB wheel that works for
-`scripts/gpu_run.sh peers` and the FlashInfer cross-check test (a wheel slimmed by hand the same
+`dev/gpu_run.sh peers` and the FlashInfer cross-check test (a wheel slimmed by hand the same
 way ran both at 3f594d5).
 
-    python3 scripts/slim_flashinfer_wheel.py .whl-fi .whl-fi-slim
-    # then carry .whl-fi-slim (git-ignore it); scripts/gpu_run.sh installs from either folder
+    python3 dev/slim_flashinfer_wheel.py .whl-fi .whl-fi-slim
+    # then carry .whl-fi-slim (git-ignore it); dev/gpu_run.sh installs from either folder
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-kernel CUDA times (torch.profiler) of the decode op: the decode and split-merge kernels apart.
 
-    python3 scripts/kernel_times.py 1x131072,128x512
+    python3 benchmarks/bench_kernel_times.py 1x131072,128x512
 
 Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16, q_len 1;
 20 eager calls after 5 warm-up calls, mean device time per kernel.  The benchmark's CUDA-graph times
@@ -13,7 +13,7 @@ import types
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nvfp4_backend import bench
+from nvfp4_backend.tools import bench
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The decode and write kernels on the benchmark's shapes, one launch each, for Nsight Compute.
 
-    ncu --set full -k regex:"paged_decode|write_kv" -o $OUT/profile python3 scripts/profile_kernels.py
+    ncu --set full -k regex:"paged_decode|write_kv" -o $OUT/profile python3 dev/profile_kernels.py
 
 Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16.
 """
@@ -9,7 +9,8 @@ import types
 
 import torch
 
-from nvfp4_backend import bench, ops
+from nvfp4_backend import ops
+from nvfp4_backend.tools import bench
 from nvfp4_backend.layout import PagedKVCache
 
 
