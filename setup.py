@@ -3,8 +3,8 @@ pure Python and builds the kernels for the device at hand on first use (nvfp4_ba
 
     NVFP4_BACKEND_AOT=1 TORCH_CUDA_ARCH_LIST="8.0;9.0;12.0" pip wheel --no-build-isolation --no-deps .
 
-builds nvfp4_backend/_C.so (torch.utils.cpp_extension.CUDAExtension, the same sources and nvcc flags
-as the JIT build) next to _C.json, which records the -gencode flags, torch, CUDA and the sources'
+builds nvfp4_backend/_C.so (torch.utils.cpp_extension.CUDAExtension, the same sources, nvcc flags and
+generated limits header as the JIT build) next to _C.json, which records the -gencode flags, torch, CUDA and the sources'
 digest.  jit.py loads it where it serves the device, torch, CUDA and sources at hand, and builds
 otherwise.  TORCH_CUDA_ARCH_LIST takes torch's forms ("8.0;9.0;12.0", "Hopper", "9.0+PTX").  Made for
 wheels (pip wheel, pip install .); a strict editable install does not carry _C.json.
@@ -41,8 +41,9 @@ def aot_build() -> dict:
             Path(self.get_ext_fullpath(jit.PREBUILT)).with_name(jit.PREBUILT_INFO).write_text(json.dumps(info))
 
     csrc = "csrc"  # relative: setuptools wants sources inside the project
+    limits = jit.write_limits_header(ROOT / "build" / "limits")  # nvfp4_limits.h, as the JIT build writes it
     ext = cpp_extension.CUDAExtension(jit.PREBUILT, sources=[f"{csrc}/{s}" for s in (jit.BINDING_SOURCE, *jit.KERNEL_SOURCES)],
-                                      include_dirs=[str(ROOT / csrc)],
+                                      include_dirs=[str(ROOT / csrc), str(limits)],
                                       # copies: BuildExtension appends its own flags to these lists
                                       extra_compile_args={"cxx": list(jit.CXX_FLAGS), "nvcc": list(jit.NVCC_FLAGS)})
     return dict(ext_modules=[ext], cmdclass={"build_ext": BuildWithInfo})

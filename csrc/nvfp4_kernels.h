@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+// The support limits (kMaxSplits, kHeadDims, kDecodeMaxRows, ...), generated at build time from
+// nvfp4_backend/capabilities.py, the one place they are defined (nvfp4_backend/jit.py limits_header)
+#include "nvfp4_limits.h"
+
 namespace nvfp4 {
 
 enum class QueryType : int { kFloat16 = 0, kBFloat16 = 1 };
@@ -34,10 +38,6 @@ struct WriteKVParams {
   bool hadamard;
   float hadamard_scale;
 };
-
-//! Most KV splits per (request, kv head) the decode op accepts (the binding checks it; the merge
-//! itself takes any count, in rounds of 8 per thread group).
-constexpr int kMaxSplits = 8192;
 
 //! \brief Paged attention of ragged queries over an NVFP4 cache (decode, spec-decode, short extend).
 struct DecodeParams {
@@ -103,16 +103,24 @@ cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_paged_prefill(const PrefillParams& p, cudaStream_t stream);
 //! Packed query rows (tokens x group size) one prefill thread block holds at a head dim: 128 up to
 //! D 128 (two m16 row tiles per warp), 64 at D 256 (one).  The largest group it serves.
-constexpr int prefill_rows(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+constexpr int prefill_rows(int head_dim) {
+  for (int i = 0; i < int(sizeof(kHeadDims) / sizeof(kHeadDims[0])); ++i)
+    if (kHeadDims[i] == head_dim) return kPrefillRows[i];
+  return 0;
+}
 //! Largest max_rows the decode kernel serves for a head_dim (0 if the head_dim is unsupported).
-int decode_max_rows(int head_dim);
+constexpr int decode_max_rows(int head_dim) {
+  for (int i = 0; i < int(sizeof(kHeadDims) / sizeof(kHeadDims[0])); ++i)
+    if (kHeadDims[i] == head_dim) return kDecodeMaxRows[i];
+  return 0;
+}
 //! Whether a block may serve 1 << heads_per_block_log2 kv heads: plain decode (max_rows ==
 //! group_size, i.e. max_query_len 1) whose packed rows fit the one-row-tile kernel's 8.
 bool decode_heads_per_block_ok(int heads_per_block_log2, int max_rows, int group_size);
 //! Whether the fused kernel serves max_rows at head_dim with 1 << heads_per_block_log2 kv heads per
 //! block: D <= 128, up to 8 rows (up to 8 heads) or 16 (up to 4 heads), any query length.
 bool decode_fused_ok(int heads_per_block_log2, int max_rows, int head_dim);
-//! The fused kernel's warps per block for max_rows (16 up to 8 rows, 12 up to 16).
-int decode_fused_warps(int max_rows);
+//! The fused kernel's warps per block for max_rows (16 for one row tile, 12 for two).
+constexpr int decode_fused_warps(int max_rows) { return max_rows <= kRowTile ? 16 : 12; }
 
 }  // namespace nvfp4

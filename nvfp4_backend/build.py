@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from . import jit
 
@@ -26,11 +27,12 @@ def compile_check(archs: list[str]) -> int:
               "tests/test_build.py compiles it against stubbed ones)")
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
+        limits = jit.write_limits_header(Path(tmp))
         for arch in archs:
             cap = (int(arch[:-1]), int(arch[-1]))
             for name in sources:
                 cmd = [nvcc, "-c", str(src / name), "-o", f"{tmp}/{name}.{arch}.o", *jit.NVCC_FLAGS,
-                       *jit.arch_flags(cap), f"-I{src}", "-Xptxas=-warn-spills", "--compiler-options", "-fPIC"]
+                       *jit.arch_flags(cap), f"-I{src}", f"-I{limits}", "-Xptxas=-warn-spills", "--compiler-options", "-fPIC"]
                 if name == jit.BINDING_SOURCE:
                     cmd += [f"-I{p}" for p in include_paths()]
                     cmd += ["-DTORCH_EXTENSION_NAME=nvfp4_backend_C", "-D_GLIBCXX_USE_CXX11_ABI=1"]

@@ -35,8 +35,6 @@ E4M3_MAX = 448.0
 E4M3_NAN_BYTE = 0x7F
 FP4_PER_BYTE = 2
 HEAD_DIM_MULTIPLE = BLOCK_SIZE
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-"""Head dims the CUDA kernels are instantiated for (the reference takes any multiple of 16)."""
 
 # Round-to-nearest-even decision points between consecutive magnitude codes i and i+1.  A tie
 # goes to the even code: it stays down after an even code (i even) and goes up after an odd one.

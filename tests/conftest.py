@@ -1,7 +1,10 @@
-"""Shared fixtures for the CPU suite: per-test seeds, random paged batches, poisoned caches.
+"""Shared fixtures for the whole suite (tests/ and tests/gpu/): per-test seeds, random paged batches,
+poisoned caches, and the skip of GPU tests without a GPU.
 
-Every test draws fresh data from its own generator, seeded from the test's node id (stable across
-runs, different between tests).  Set ``NVFP4_TEST_SEED`` to shift every seed and explore new data.
+One seed policy: every test draws its data from its own generator (``gen``), seeded from the test's
+id (``seed``: crc32 of the node id, stable across runs, different between tests) xor
+``$NVFP4_TEST_SEED`` (default 0), which shifts every seed to explore new data.  A failing test that
+drew from it shows its seed and the command that replays it.
 """
 from __future__ import annotations
 
@@ -34,10 +37,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ----------------------------------------------------------------------------- randomness
+SEED_ENV = "NVFP4_TEST_SEED"
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of the test ``nodeid``: crc32 of it, xor $NVFP4_TEST_SEED."""
+    return zlib.crc32(nodeid.encode()) ^ int(os.environ.get(SEED_ENV, "0"))
+
+
 @pytest.fixture
 def seed(request) -> int:
-    """A per-test seed: crc32 of the node id, xor ``NVFP4_TEST_SEED``."""
-    return zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("NVFP4_TEST_SEED", "0"))
+    """This test's seed (``seed_of``)."""
+    return seed_of(request.node.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that drew from its seed (the ``seed`` or ``gen`` fixture) reports the seed and
+    how to replay it."""
+    report = (yield).get_result()
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    seeded = "gen" in item.fixturenames or ("seed" in item.fixturenames and "seed" not in params)
+    if report.failed and seeded:
+        shift = os.environ.get(SEED_ENV, "0")
+        report.sections.append(("seed", f"seed {seed_of(item.nodeid)} (crc32 of the test id xor ${SEED_ENV}={shift}); "
+                                        f"replay: {SEED_ENV}={shift} pytest '{item.nodeid}'"))
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvfp4_backend.bench import flashinfer_kv
+from nvfp4_backend.tools.bench import flashinfer_kv
 from nvfp4_backend.layout import PagedKVCache
 
 

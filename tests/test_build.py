@@ -1,7 +1,8 @@
 """The build, on a CPU-only machine: the CUDA binding's host side (csrc/binding.cpp compiled against
 this torch's headers, CUDA headers stubbed by tests/csrc/c10_cuda_stub, its error messages checked
 without a GPU; CI's torch has no CUDA headers, so a compile error in the binding shows here first),
-and the choice between an ahead-of-time build (setup.py) and the JIT build."""
+the generated limits header against the kernels' layout, and the choice between an ahead-of-time
+build (setup.py) and the JIT build."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from nvfp4_backend import jit, ops
+from nvfp4_backend import capabilities, jit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,8 +37,9 @@ def test_binding_error_messages_on_the_host(tmp_path):
         pytest.skip("needs a C++ compiler and the CUDA runtime headers (nvcc's toolkit)")
     lib = Path(torch.__file__).resolve().parent / "lib"
     exe = tmp_path / "binding_messages"
+    limits = jit.write_limits_header(tmp_path / "limits")
     cmd = [cxx, "-O1", "-std=c++17", "-w", f"-I{ROOT / 'tests' / 'csrc' / 'c10_cuda_stub'}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{cuda_include}", f"-I{ROOT / 'csrc'}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], f"-I{cuda_include}", f"-I{ROOT / 'csrc'}", f"-I{limits}",
            str(ROOT / "tests" / "csrc" / "binding_messages.cpp"), "-o", str(exe),
            f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}"]
     subprocess.run(cmd, check=True)
@@ -45,16 +47,43 @@ def test_binding_error_messages_on_the_host(tmp_path):
     assert res.returncode == 0 and res.stdout.startswith("ok: 13 checks"), res.stdout + res.stderr
 
 
-def test_fused_shared_memory_mirrors_the_kernel(tmp_path):
-    """ops.FUSED_SHARED_MEMORY, which the planner compares with a device's limit, is the fused kernel's
-    largest block (csrc Config::kSmemBytes, compiled with nvcc on the host)."""
+def _compile_limits_check(nvcc: str, limits: Path, obj: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([nvcc, "-c", str(ROOT / "csrc" / "decode_limits.cu"), "-o", str(obj), *jit.NVCC_FLAGS,
+                           "-arch=sm_80", f"-I{ROOT / 'csrc'}", f"-I{limits}"], capture_output=True, text=True)
+
+
+def test_the_kernels_layout_checks_the_generated_limits(tmp_path, monkeypatch):
+    """csrc/decode_limits.cu static_asserts the generated limits that follow from the kernels' layout
+    (shared memory, rows and heads per block): the header of capabilities as they are compiles, and
+    one with those limits changed fails with a message naming each."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("needs nvcc")
-    exe = tmp_path / "fused_smem"
-    subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_80", str(ROOT / "tests" / "csrc" / "fused_smem.cu"),
-                    "-o", str(exe)], check=True)
-    assert int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout) == ops.FUSED_SHARED_MEMORY
+    good = _compile_limits_check(nvcc, jit.write_limits_header(tmp_path / "good"), tmp_path / "good.o")
+    assert good.returncode == 0, good.stderr
+    monkeypatch.setattr(capabilities, "FUSED_SHARED_MEMORY", capabilities.FUSED_SHARED_MEMORY + 16)
+    monkeypatch.setattr(capabilities, "DECODE_MAX_ROWS", capabilities.DECODE_MAX_ROWS | {256: 64})
+    monkeypatch.setattr(capabilities, "PACKED_MAX_HEADS", 8)
+    monkeypatch.setattr(capabilities, "FUSED_HEAD_DIMS", (64, 128, 256))
+    bad = _compile_limits_check(nvcc, jit.write_limits_header(tmp_path / "bad"), tmp_path / "bad.o")
+    assert bad.returncode != 0
+    for name in ("FUSED_SHARED_MEMORY", "DECODE_MAX_ROWS", "PACKED_MAX_HEADS", "FUSED_HEAD_DIMS"):
+        assert f"capabilities.{name} " in bad.stderr, bad.stderr
+
+
+def test_the_limits_header_is_written_once_per_text(tmp_path, monkeypatch):
+    """An unchanged header keeps its file (ninja rebuilds nothing); other limits are another JIT
+    include folder (torch's JIT takes them for a new build) and another digest (a prebuilt library
+    of other limits is not used)."""
+    header = jit.write_limits_header(tmp_path) / jit.LIMITS_HEADER
+    stamp = header.stat().st_mtime_ns
+    jit.write_limits_header(tmp_path)
+    assert header.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path / "root"))
+    folder, digest = jit.limits_include_dir(), jit.sources_digest(ROOT / "csrc")
+    monkeypatch.setattr(capabilities, "MAX_SPLITS", capabilities.MAX_SPLITS // 2)
+    assert "kMaxSplits = 4096;" in jit.limits_header()
+    assert jit.limits_include_dir() != folder and jit.sources_digest(ROOT / "csrc") != digest
 
 
 def _info(*codes, **kw):

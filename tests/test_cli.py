@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from nvfp4_backend.cli import main  # noqa: E402
+from nvfp4_backend.tools.cli import main  # noqa: E402
 
 
 def test_eval_writes_valid_json(tmp_path, capsys):

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from nvfp4_backend import format as fmt  # noqa: E402
-from nvfp4_backend.capacity import capacity_table, model_kv_bytes_per_token  # noqa: E402
-from nvfp4_backend.corpus import stdlib_prose  # noqa: E402
-from nvfp4_backend.evaluation import fake_quant_logits  # noqa: E402
-from nvfp4_backend.runner import (PagedRunner, calibrate_kv_amax, default_model_path, kv_scales_from_amax,  # noqa: E402
-                                  load_model, model_geometry)
+from nvfp4_backend.eval.corpus import stdlib_prose  # noqa: E402
+from nvfp4_backend.eval.fake_quant import fake_quant_logits  # noqa: E402
+from nvfp4_backend.eval.kv_stores import kv_scales_from_amax  # noqa: E402
+from nvfp4_backend.eval.models import default_model_path, load_model, model_geometry  # noqa: E402
+from nvfp4_backend.eval.runner import PagedRunner, calibrate_kv_amax  # noqa: E402
+from nvfp4_backend.tools.capacity import capacity_table, model_kv_bytes_per_token  # noqa: E402
 
 
 def _default_model_available() -> bool:
@@ -161,7 +162,7 @@ def test_fp8_runner_perplexity_agrees_with_fake_quant(lm, text_ids):
 
 
 def test_batched_generation_equals_one_request_at_a_time(lm):
-    from nvfp4_backend.evaluation import PROMPTS, chat_prompt_ids
+    from nvfp4_backend.eval.evaluation import PROMPTS, chat_prompt_ids
     prompts = [chat_prompt_ids(lm.tokenizer, p) for p in PROMPTS[:2]]
     runner = PagedRunner(lm.model, "fp32", max_tokens=256)
     both = runner.generate(prompts, 6)
@@ -226,7 +227,7 @@ def test_capacity_table():
 
 
 # ---------------------------------------------------------------------------------------- GPU
-def _gpu_model_and_tokens():
+def _gpu_model_and_tokens(seed: int):
     """The default model on the GPU when its packages are installed; otherwise a seeded random Llama
     of SmolLM2's attention shape (9 q heads, 3 kv heads, head_dim 64), so the test runs anywhere."""
     if _default_model_available():
@@ -234,7 +235,7 @@ def _gpu_model_and_tokens():
         ids = lm.tokenizer(stdlib_prose().text[:4000], add_special_tokens=False)["input_ids"]
         return lm.model, ids[:192]
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg)
@@ -243,18 +244,18 @@ def _gpu_model_and_tokens():
             if "proj" in name:
                 p.mul_(4.0)
     model = model.to("cuda").eval()
-    return model, torch.randint(0, 512, (192,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, torch.randint(0, 512, (192,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_kernel_path_agrees_with_reference_path(monkeypatch):
+def test_gpu_kernel_path_agrees_with_reference_path(monkeypatch, seed):
     """Same model on the GPU: NVFP4 decode through the CUDA kernels vs through the PyTorch reference."""
-    from nvfp4_backend import jit
+    from nvfp4_backend import capabilities
     dev = torch.device("cuda")
-    if not jit.kernels_available(dev):
-        pytest.skip(f"kernels unavailable: {jit.unavailable_reason(torch.cuda.get_device_capability(dev))}")
-    model, tokens = _gpu_model_and_tokens()
+    if not capabilities.kernels_available(dev):
+        pytest.skip(f"kernels unavailable: {capabilities.unavailable_reason(torch.cuda.get_device_capability(dev))}")
+    model, tokens = _gpu_model_and_tokens(seed)
 
     def run():
         # prefill 128 (the reference on the GPU: too many query rows for the decode kernel), then 64

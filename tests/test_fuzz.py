@@ -1,6 +1,6 @@
 """The randomized differential tester (``nvfp4-backend fuzz``) on the CPU: its generator, its CLI,
 and that it catches wrong results.  On a GPU the same harness runs the CUDA kernels
-(tests/test_kernels_gpu.py runs a fixed-seed subset; results/ holds the 1000-configuration runs)."""
+(tests/gpu/test_decode.py runs a fixed-seed subset; docs/performance.md cites the 1000-configuration runs)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from nvfp4_backend import fuzz, jit
-from nvfp4_backend.cli import main
+from nvfp4_backend.capabilities import decode_max_rows
+from nvfp4_backend.tools import fuzz
+from nvfp4_backend.tools.cli import main
 
 CPU = torch.device("cpu")
 
@@ -20,7 +21,7 @@ def test_generated_configurations_are_valid_and_replayable(seed):
     assert cfg == fuzz.generate(seed, max_context=262144)
     assert len(cfg.seq_lens) == len(cfg.q_lens) >= 1
     assert all(0 <= q <= s for s, q in zip(cfg.seq_lens, cfg.q_lens))
-    assert cfg.q_lens[0] >= 1 and max(cfg.seq_lens) <= 262144 + 2 * jit.decode_max_rows(cfg.head_dim)
+    assert cfg.q_lens[0] >= 1 and max(cfg.seq_lens) <= 262144 + 2 * decode_max_rows(cfg.head_dim)
     assert sum(cfg.seq_lens) * cfg.num_kv_heads * cfg.head_dim <= 2 * (1 << 28)
     assert cfg.page_size & (cfg.page_size - 1) == 0 and 1e-4 <= cfg.k_scale <= 1e3
 

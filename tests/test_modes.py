@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from nvfp4_backend import format as fmt, ops, reference
-from nvfp4_backend.layout import KVMode, PagedKVCache
-
-
-@pytest.fixture
-def g():
-    gen = torch.Generator()
-    gen.manual_seed(1234)
-    return gen
+from nvfp4_backend.layout import PagedKVCache
+from nvfp4_backend.modes import KVMode
 
 
 def _block_errors(x, packed, sf, g_scale=1.0):
@@ -22,8 +16,8 @@ def _block_errors(x, packed, sf, g_scale=1.0):
     return ((deq - x) ** 2).unflatten(-1, (-1, fmt.BLOCK_SIZE)).sum(-1)
 
 
-def test_6or4_never_worse_and_picks_the_better_scale(g):
-    x = torch.randn(4000, 64, generator=g) * torch.rand(4000, 1, generator=g) * 20
+def test_6or4_never_worse_and_picks_the_better_scale(gen):
+    x = torch.randn(4000, 64, generator=gen) * torch.rand(4000, 1, generator=gen) * 20
     x[::7, 3] *= 30  # outliers
     p6, s6 = fmt.quantize(x, 0.01, "6")
     p64, s64 = fmt.quantize(x, 0.01, "6or4")
@@ -74,10 +68,10 @@ def test_hadamard_is_orthonormal_and_symmetric(d):
 
 
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
-def test_hadamard_transform_is_x_times_h_by_the_documented_butterflies(d, g):
+def test_hadamard_transform_is_x_times_h_by_the_documented_butterflies(d, gen):
     """fmt.hadamard_transform (the writer's rotation) is x H up to fp32 rounding, its own inverse,
     and bit for bit the scalar butterfly loop its docstring defines (the CUDA writer's order)."""
-    x = torch.randn(3, d, generator=g) * torch.rand(3, 1, generator=g) * 100
+    x = torch.randn(3, d, generator=gen) * torch.rand(3, 1, generator=gen) * 100
     y = fmt.hadamard_transform(x)
     exact = x.double() @ fmt.hadamard(d, dtype=torch.float64)
     assert y.dtype == torch.float32
@@ -98,32 +92,32 @@ def test_hadamard_transform_is_x_times_h_by_the_documented_butterflies(d, g):
         fmt.hadamard_transform(torch.zeros(2, 96))
 
 
-def test_rotation_is_exact_without_quantization(g):
+def test_rotation_is_exact_without_quantization(gen):
     """q.k = (qH).(kH) and P (V H) H = P V: attention over rotated dense K/V, with the query
     rotated and the output rotated back, equals the unrotated attention (fp64)."""
     b, L, hkv, grp, d = 2, 50, 2, 3, 64
-    k = torch.randn(b, L, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, L, hkv, d, generator=g, dtype=torch.float64)
-    q = torch.randn(6, hkv * grp, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, L, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, L, hkv, d, generator=gen, dtype=torch.float64)
+    q = torch.randn(6, hkv * grp, d, generator=gen, dtype=torch.float64)
     seq = torch.tensor([50, 31])
     qsl = torch.tensor([0, 4, 6])
     h = fmt.hadamard(d, dtype=torch.float64)
-    sinks = torch.randn(6, generator=torch.Generator().manual_seed(7))
+    sinks = torch.randn(6, generator=gen)
     plain = reference.attention_ref(q, k, v, seq, qsl, 0.125, 20, 30.0, sinks, torch.float64)
     rot = reference.attention_ref(q @ h, k @ h, v @ h, seq, qsl, 0.125, 20, 30.0, sinks, torch.float64) @ h
     torch.testing.assert_close(rot, plain, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("mode", [KVMode("6or4"), KVMode(rotation="hadamard"), KVMode("6or4", "hadamard")])
-def test_ops_apply_the_cache_mode(mode, g):
+def test_ops_apply_the_cache_mode(mode, gen):
     """write_kv + paged_attention on a cache with a mode equal the reference built by hand: the
     pages hold quantize(k H) (or k) with the mode's scale rule, and the output is rotated back."""
     d, hkv, grp, ps = 64, 2, 4, 16
     seq_lens, q_lens = [40, 17], [2, 1]
     cache = PagedKVCache.allocate(8, ps, hkv, d, mode=mode)
     n = sum(seq_lens)
-    key = (torch.randn(n, hkv, d, generator=g) * 3).bfloat16()
-    value = torch.randn(n, hkv, d, generator=g).bfloat16()
+    key = (torch.randn(n, hkv, d, generator=gen) * 3).bfloat16()
+    value = torch.randn(n, hkv, d, generator=gen).bfloat16()
     table = torch.tensor([[1, 2, 3], [5, 4, 0]], dtype=torch.int32)
     slots = torch.cat([torch.tensor([int(table[b, i // ps]) * ps + i % ps for i in range(s)])
                        for b, s in enumerate(seq_lens)])
@@ -134,7 +128,7 @@ def test_ops_apply_the_cache_mode(mode, g):
     pages, offs = slots // ps, slots % ps
     assert torch.equal(cache.k_data[pages, offs], want_k) and torch.equal(cache.k_block_scales[pages, offs], want_ks)
 
-    q = torch.randn(sum(q_lens), hkv * grp, d, generator=g).bfloat16()
+    q = torch.randn(sum(q_lens), hkv * grp, d, generator=gen).bfloat16()
     qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     out = ops.paged_attention(q, cache, table, sl, qsl, 0.5, 0.25, 1 / math.sqrt(d))
@@ -151,7 +145,7 @@ def test_mode_names_round_trip(name):
 
 
 def test_configured_mode_reads_the_environment(monkeypatch):
-    from nvfp4_backend.layout import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
+    from nvfp4_backend.modes import DEFAULT_KV_MODE, KV_MODE_ENV, configured_kv_mode
     monkeypatch.delenv(KV_MODE_ENV, raising=False)
     assert configured_kv_mode() == KVMode.from_name(DEFAULT_KV_MODE)
     monkeypatch.setenv(KV_MODE_ENV, " hadamard-6or4 ")
@@ -169,13 +163,13 @@ def test_constructors_carry_the_mode():
     assert PagedKVCache.from_token_rows(*rows, page_size=16, mode=mode).mode == mode
 
 
-def test_rotated_mode_leaves_rows_past_the_batch_untouched(g):
+def test_rotated_mode_leaves_rows_past_the_batch_untouched(gen):
     """As without rotation: query rows past query_start_loc[-1] (graph padding) are not written."""
     d, hkv, ps = 64, 1, 16
     cache = PagedKVCache.allocate(4, ps, hkv, d, mode=KVMode(rotation="hadamard"))
-    key = torch.randn(20, hkv, d, generator=g).bfloat16()
+    key = torch.randn(20, hkv, d, generator=gen).bfloat16()
     ops.write_kv(key, key, torch.arange(16, 36), cache, 1.0, 1.0)
-    q = torch.randn(3, 2, d, generator=g).bfloat16()  # 1 real row, 2 padding rows
+    q = torch.randn(3, 2, d, generator=gen).bfloat16()  # 1 real row, 2 padding rows
     out = torch.full_like(q, float("nan"))
     ops.paged_attention(q, cache, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
                         torch.tensor([0, 1], dtype=torch.int32), 1.0, 1.0, 0.125, out=out)

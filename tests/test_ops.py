@@ -2,19 +2,15 @@
 checking, their custom-op registration and ``torch.compile``."""
 from __future__ import annotations
 
-import dataclasses
-
 import math
-import re
-import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_cases import misaligned
-from nvfp4_backend import PagedKVCache, jit, ops, reference
+from nvfp4_backend import AttentionPlan, PagedKVCache, ops, planner, reference
 from nvfp4_backend import format as fmt
+from nvfp4_backend.capabilities import MAX_SPLITS
 
 META = torch.device("meta")   # stands in for "some other device" on a CPU-only machine
 
@@ -96,201 +92,11 @@ def test_paged_attention_is_the_reference_in_q_dtype(q_dtype, make_batch, gen):
     fresh = ops.paged_attention(*args, **kw)
     assert fresh.dtype == q_dtype and fresh.shape == step.q.shape and torch.equal(fresh, want)
     # an explicit plan with split-KV and its workspace changes nothing on the reference path
-    plan = ops.AttentionPlan(num_splits=4, workspace_bytes=4096)
+    plan = AttentionPlan(num_splits=4, workspace_bytes=4096)
     ws = plan.allocate_workspace("cpu")
     out2 = torch.full_like(step.q, float("nan"))
     ops.paged_attention(*args, **kw, out=out2, plan=plan, workspace=ws, max_query_len=step.max_query_len)
     assert torch.equal(out2, want)
-
-
-@pytest.mark.parametrize("group_size, head_dim", [(1, 64), (4, 128), (8, 128), (16, 64), (4, 256), (64, 128)])
-def test_plan_covers_the_decode_share_of_a_long_call(group_size, head_dim):
-    """A call whose queries exceed the decode kernel's rows is planned as its decode share: the
-    requests of up to decode_query_len tokens (the prefill kernel needs no plan)."""
-    share = jit.decode_query_len(group_size, head_dim)
-    assert share * group_size <= jit.decode_max_rows(head_dim) < (share + 1) * group_size
-    for max_query_len in (share + 1, 4096):
-        got = ops.plan_attention(8, 8, group_size, max_query_len, 20000, head_dim)
-        assert got == ops.plan_attention(8, 8, group_size, share, 20000, head_dim)
-
-
-def test_plan_from_query_lens_sizes_the_decode_share():
-    """With the step's query lengths, the decode kernel is planned for its own requests only: a mixed
-    batch of decodes and long chunks plans as the decodes alone; no short request, no decode launch."""
-    mixed = ops.plan_attention(65, 8, 4, 2048, 14336, 128, query_lens=[1] * 64 + [2048])
-    assert mixed.decode_query_len == 1
-    assert dataclasses.replace(mixed, decode_query_len=None) == ops.plan_attention(65, 8, 4, 1, 14336, 128)
-    assert ops.plan_attention(2, 8, 4, 2048, 14336, 128, query_lens=[2048, 700]).decode_query_len == 0
-    assert ops.plan_attention(3, 8, 4, 2048, 14336, 128, query_lens=[3, 16, 17]).decode_query_len == 16
-
-
-def test_host_lengths_replace_device_reads(make_batch, monkeypatch):
-    """With the lengths on the host, the plan's bounds come from them (no device read) and the
-    output is the same; bad host tensors are refused by name."""
-    step = make_batch((40, 9, 23), (11, 9, 1), page_size=16, num_kv_heads=2, group_size=4, head_dim=64)
-    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64)
-    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
-    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, step.k_global_scale,
-            step.v_global_scale, step.softmax_scale)
-    want = ops.paged_attention(*args)
-    planned = []
-    monkeypatch.setattr(ops, "plan_attention", lambda *a, **k: planned.append(a) or ops.AttentionPlan(1, 0))
-    got = ops.paged_attention(*args, seq_lens_cpu=step.seq_lens.clone(), query_start_loc_cpu=step.query_start_loc.clone())
-    assert torch.equal(got, want)
-    assert planned[0][3] == 11 and planned[0][4] == 40  # max query len and max seq len from the host copies
-    with pytest.raises(ValueError, match="seq_lens_cpu must have 3 entries"):
-        ops.paged_attention(*args, seq_lens_cpu=step.seq_lens[:2].clone())
-    with pytest.raises(TypeError, match="query_start_loc_cpu must have dtype"):
-        ops.paged_attention(*args, query_start_loc_cpu=step.query_start_loc.float())
-
-
-def test_python_limits_mirror_the_kernels():
-    """ops and jit check the split and row limits before any build, from Python twins of the
-    kernels' constants; a change on one side only must fail here (the binding checks again)."""
-    csrc = Path(jit.__file__).resolve().parent.parent / "csrc"
-    header = (csrc / "nvfp4_kernels.h").read_text()
-    assert int(re.search(r"kMaxSplits = (\d+);", header).group(1)) == ops.MAX_SPLITS
-    dispatch = (csrc / "paged_decode.cu").read_text()
-    table = re.search(r"int decode_max_rows\(int head_dim\) \{(.*?)\n\}", dispatch, re.S).group(1)
-    rows = {}
-    for cases, limit in re.findall(r"((?:case \d+: )+)return (\d+);", table):
-        rows.update({int(d): int(limit) for d in re.findall(r"\d+", cases)})
-    assert rows == {d: jit.decode_max_rows(d) for d in (64, 128, 256)}
-    assert jit.decode_max_rows(96) == 0
-
-
-@pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim", [
-    (64, 8, 4, 1, 4096, 128), (1, 1, 8, 2, 4096, 128), (3, 2, 16, 4, 300, 64), (1, 1, 1, 1, 100, 256),
-    (2, 4, 4, 8, 70000, 256)])
-def test_plan_attention_workspace_holds_the_partials(batch, kv_heads, group, q_len, seq_len, head_dim):
-    """Whatever the split heuristic, every split gets at least SPLIT_MIN_TOKENS keys (so one split
-    for short sequences), and the workspace holds fp32 [rows, D] partials plus max and sum per row."""
-    plan = ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim)
-    assert 1 <= plan.num_splits <= max(1, math.ceil(seq_len / ops.SPLIT_MIN_TOKENS))
-    if plan.num_splits == 1:
-        assert plan.workspace_bytes == 0
-    else:
-        assert plan.workspace_bytes >= batch * kv_heads * plan.num_splits * q_len * group * (head_dim + 2) * 4
-    assert plan.allocate_workspace("cpu").numel() >= plan.workspace_bytes
-    more = ops.plan_attention(batch * 64, kv_heads, group, q_len, seq_len, head_dim)
-    assert more.num_splits <= plan.num_splits                   # a fuller grid never needs more splits
-
-
-@pytest.mark.parametrize("batch", [1, 7, 40, 64, 96, 128, 192, 256, 1000])
-@pytest.mark.parametrize("kv_heads, group, q_len", [(8, 4, 1), (8, 2, 1), (5, 1, 1), (8, 4, 2), (8, 8, 1), (3, 3, 1)])
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_plan_attention_packs_kv_heads_only_where_it_saves_waves(batch, kv_heads, group, q_len, head_dim):
-    """Several kv heads per block only for plain decode whose rows fit, never together with split-KV
-    (packing is for grids past one wave, splits for grids short of one), and only where the packed
-    grid's waves, each as many times longer as heads are packed, add up to no more than before.  A
-    wave is as many blocks as the kernel keeps resident: 4 per SM at D 128, 2 at D 256."""
-    plan = ops.plan_attention(batch, kv_heads, group, q_len, 512, head_dim, num_sms=132)
-    hb = plan.heads_per_block
-    assert ops.heads_per_block_allowed(group, q_len, hb)
-    slots = {128: 4, 256: 2}[head_dim] * 132
-    cost = lambda h: math.ceil(batch * -(-kv_heads // h) / slots) * h  # noqa: E731
-    if hb > 1:
-        assert plan.num_splits == 1
-        assert cost(hb) <= cost(1)
-    if batch * kv_heads <= slots:
-        assert hb == 1  # one wave already: packing would only make the blocks longer
-    else:  # past one wave, more heads per block wherever they do not add waves (a tie saves starts and ends)
-        for more in (2, 4):
-            if more > hb and ops.heads_per_block_allowed(group, q_len, more):
-                assert cost(more) > cost(hb)
-
-
-@pytest.mark.parametrize("batch, seq_len", [(1, 131072), (8, 32768), (32, 8192), (16, 16384), (64, 8192),
-                                            (128, 512), (256, 2048), (3, 100)])
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(8, 4, 128), (8, 2, 64), (8, 8, 128), (8, 4, 256), (1, 4, 128)])
-def test_plan_attention_packs_token_major_split_grids(batch, seq_len, kv_heads, group, head_dim):
-    """A token-major cache packs 2 kv heads per block wherever the head-major plan splits with one
-    head per block and 2 fit (D <= 128, more than one kv head); elsewhere both plans are the same.
-    Fused plans likewise: 2 kv heads per block at least where one head per block would split."""
-    fused = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True)
-    fused_head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim)
-    if fused.fused and kv_heads > 1 and fused_head_major.fused and fused_head_major.heads_per_block == 1:
-        assert fused.heads_per_block == (2 if fused_head_major.num_splits > 1 else 1)
-    elif fused.fused or fused_head_major.fused:
-        assert fused == fused_head_major
-    head_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, fused=False)
-    token_major = ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, token_major=True, fused=False)
-    packs = (head_major.num_splits > 1 and head_major.heads_per_block == 1 and kv_heads > 1 and head_dim <= 128
-             and ops.heads_per_block_allowed(group, 1, 2))
-    if packs:
-        assert token_major.heads_per_block == 2
-        assert token_major == ops.plan_attention(batch, kv_heads, group, 1, seq_len, head_dim, heads_per_block=2)
-        assert not token_major.fused
-    else:
-        assert token_major == head_major
-
-
-@pytest.mark.parametrize("batch, kv_heads, group, q_len, seq_len, head_dim, token_major, want", [
-    (64, 8, 4, 1, 8192, 128, False, (4, 1)),      # 128 blocks of 4 kv heads on 132 SMs
-    (64, 8, 4, 4, 8192, 128, False, (4, 1)),      # 16 rows: two row tiles, up to 4 heads
-    (32, 8, 4, 1, 8192, 128, False, (2, 1)),
-    (1, 8, 4, 1, 131072, 128, False, (1, 16)),    # 8 blocks per split
-    (1, 8, 4, 1, 131072, 128, True, (2, 33)),     # token-major: 2 heads per block where 1 would split
-    (16, 8, 4, 1, 16384, 128, True, (1, 1)),      # ... and 1 where it would not
-    (16, 8, 4, 1, 16384, 128, False, (1, 1)),
-    (32, 8, 4, 4, 8192, 128, False, (2, 1)),
-    (1, 8, 4, 4, 131072, 128, False, None),       # two row tiles only unsplit
-    (8, 8, 2, 1, 32768, 64, False, (1, 2)),
-    (256, 8, 4, 1, 2048, 128, False, None),       # 256 blocks at 8 heads: past one per SM
-    (128, 8, 4, 1, 512, 128, False, None),        # 512 tokens: short of FUSED_MIN_TOKENS
-    (100, 8, 4, 1, 8192, 128, False, None),       # 100 blocks fill 76 % of the SMs
-    (64, 8, 4, 1, 8192, 256, False, None),        # D 256: no fused kernel
-    (64, 8, 4, 8, 8192, 128, False, None),        # 32 rows
-    (0, 8, 4, 1, 8192, 128, False, None)])
-def test_plan_attention_picks_the_fused_kernel(batch, kv_heads, group, q_len, seq_len, head_dim, token_major, want):
-    """The fused kernel for grids of about one block per SM (at least FUSED_MIN_FILL of them) with long
-    enough ranges: the fewest kv heads per block that fit, splits for the rest of the SMs."""
-    plan = ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, num_sms=132, token_major=token_major)
-    if want is None:
-        assert not plan.fused
-        return
-    assert plan.fused and (plan.heads_per_block, plan.num_splits) == want
-    blocks = batch * -(-kv_heads // plan.heads_per_block) * plan.num_splits
-    assert ops.FUSED_MIN_FILL * 132 <= blocks <= 132
-    assert seq_len >= plan.num_splits * ops.FUSED_MIN_TOKENS
-    assert plan.workspace_bytes == (batch * kv_heads * plan.num_splits * q_len * group * (head_dim + 2) * 4
-                                    if plan.num_splits > 1 else 0)
-    # what a caller asks for wins: fused off, or a static heads per block
-    assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, fused=False).fused
-    assert not ops.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, heads_per_block=1).fused
-
-
-@pytest.mark.parametrize("limit, fits", [(101376, False), (166912, True), (232448, True), (None, True)])
-def test_plan_attention_picks_the_fused_kernel_only_where_the_device_gives_its_shared_memory(limit, fits, monkeypatch):
-    """sm_86 / sm_89 / sm_120 give a block 99 KB (101376 bytes), sm_80 163 KB, sm_90 227 KB; a torch
-    without the property: assume it fits (the launcher falls back to the static kernel)."""
-    props = types.SimpleNamespace(multi_processor_count=132)
-    if limit is not None:
-        props.shared_memory_per_block_optin = limit
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert ops.fused_fits("cuda:0") == fits
-    assert ops.fused_fits("cpu")  # off CUDA a plan is bookkeeping
-    plan = ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, device="cuda:0")
-    assert plan.fused == fits and plan == ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, fused=None if fits else False)
-    # asked for, it is planned anyway (the launcher runs it where it fits)
-    assert ops.plan_attention(64, 8, 4, 1, 8192, 128, 132, fused=True, heads_per_block=4, device="cuda:0").fused
-
-
-@pytest.mark.parametrize("head_dim, group, q_len, heads_per_block, allowed", [
-    (128, 4, 2, 8, True), (64, 4, 4, 4, True), (128, 3, 3, 8, False), (128, 17, 1, 1, False),
-    (256, 4, 1, 1, False), (128, 4, 1, 16, False), (128, 16, 1, 4, True), (128, 16, 1, 8, False)])
-def test_fused_allowed_mirrors_the_binding(head_dim, group, q_len, heads_per_block, allowed):
-    """ops.fused_allowed against csrc decode_fused_ok's rule (tests/csrc/binding_messages.cpp checks
-    the C++ side on the same limits): D 64 / 128, up to 16 rows, 8 heads up to 8 rows, 4 past them."""
-    assert ops.fused_allowed(head_dim, group, q_len, heads_per_block) == allowed
-
-
-def test_plan_attention_rejects_a_fused_kernel_that_does_not_fit():
-    with pytest.raises(ValueError, match="fused needs head_dim 64 or 128 and max_query_len x group_size <= 16"):
-        ops.plan_attention(64, 8, 4, 1, 8192, 256, fused=True)
-    with pytest.raises(ValueError, match="heads_per_block 8 does not fit the fused kernel.*max_query_len 4"):
-        ops.plan_attention(64, 8, 4, 4, 8192, 128, heads_per_block=8, fused=True)
-    assert ops.plan_attention(64, 8, 4, 1, 8192, 128, heads_per_block=8, fused=True).heads_per_block == 8
 
 
 def test_paged_attention_rejects_a_fused_plan_that_does_not_fit(step, cache):
@@ -299,43 +105,20 @@ def test_paged_attention_rejects_a_fused_plan_that_does_not_fit(step, cache):
     args = _attn_args(step, cache)
     args["out"] = torch.full_like(step.q, float("nan"))
     with pytest.raises(ValueError, match="plan.heads_per_block 16 does not fit the fused kernel"):
-        ops.paged_attention(**args, plan=ops.AttentionPlan(1, 0, heads_per_block=16, fused=True))
+        ops.paged_attention(**args, plan=AttentionPlan(1, 0, heads_per_block=16, fused=True))
     assert args["out"].isnan().all()
 
 
 @pytest.mark.parametrize("layout, token_major", [("NHD", True), ("HND", False)])
 def test_paged_attention_plans_for_the_cache_layout(layout, token_major, step, monkeypatch):
     """Without a plan, paged_attention plans for its cache's layout."""
-    seen, plan = [], ops.plan_attention
-    monkeypatch.setattr(ops, "plan_attention", lambda *a, **k: seen.append(k.get("token_major")) or plan(*a, **k))
+    seen, plan = [], planner.plan_attention
+    monkeypatch.setattr(planner, "plan_attention", lambda *a, **k: seen.append(k.get("token_major")) or plan(*a, **k))
     cache = PagedKVCache.allocate(step.num_pages, step.page_size, step.num_kv_heads, step.head_dim, layout)
     ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
     ops.paged_attention(**_attn_args(step, cache))
     assert seen == [token_major]
 
-
-@pytest.mark.parametrize("q_len, head_dim, per_sm", [(1, 128, 4), (2, 128, 4), (3, 128, 3), (4, 64, 4), (4, 128, 3),
-                                                     (8, 128, 2), (2, 256, 2), (4, 256, 2)])
-def test_plan_attention_split_target_per_kernel(q_len, head_dim, per_sm):
-    """Splits fill per_sm blocks per SM, what each kernel keeps resident: 4 for the kernels of one row
-    tile and of two at D 64, 3 for two row tiles at D 128 (that kernel's launch bound), 2 for 32 rows
-    and at D 256 (shared memory) (8 requests x 8 kv heads: 64 blocks per split, so 132 SMs take
-    per_sm * 132 // 64 splits)."""
-    plan = ops.plan_attention(8, 8, 4, q_len, 65536, head_dim, num_sms=132, heads_per_block=1)
-    assert plan.num_splits == per_sm * 132 // 64
-
-
-@pytest.mark.parametrize("num_sms", [0, -1, 1.5])
-def test_plan_attention_rejects_a_bad_sm_count(num_sms):
-    with pytest.raises(ValueError, match=f"num_sms must be a positive int, got {num_sms!r}"):
-        ops.plan_attention(256, 8, 4, 1, 512, 128, num_sms=num_sms)
-
-
-@pytest.mark.parametrize("group, q_len, heads_per_block", [(4, 1, 4), (2, 2, 2), (1, 1, 3), (8, 1, 2), (4, 1, 0)])
-def test_plan_attention_rejects_heads_per_block_that_do_not_fit(group, q_len, heads_per_block):
-    """Several kv heads per block only for plain decode whose packed rows fit one row tile (8)."""
-    with pytest.raises(ValueError, match=f"heads_per_block must be 1, or 2 or 4 .* got {heads_per_block}"):
-        ops.plan_attention(64, 8, group, q_len, 4096, 128, heads_per_block=heads_per_block)
 
 
 def test_paged_attention_rejects_a_plan_whose_heads_per_block_do_not_fit(step, cache):
@@ -344,7 +127,7 @@ def test_paged_attention_rejects_a_plan_whose_heads_per_block_do_not_fit(step, c
     args = _attn_args(step, cache)
     args["out"] = torch.full_like(step.q, float("nan"))
     with pytest.raises(ValueError, match="plan.heads_per_block must be 1, or 2 or 4"):
-        ops.paged_attention(**args, plan=ops.AttentionPlan(1, 0, heads_per_block=2))
+        ops.paged_attention(**args, plan=AttentionPlan(1, 0, heads_per_block=2))
     assert args["out"].isnan().all()
 
 
@@ -474,12 +257,12 @@ ATTN_BAD = {
     "out_shape": (lambda a: a.update(out=torch.empty_like(a["q"])[:-1]), ValueError, "out"),
     "out_meta": (lambda a: a.update(out=torch.empty_like(a["q"], device=META)), ValueError, "out"),
     "out_misaligned": (lambda a: a.update(out=misaligned(a["out"])), ValueError, "out rows must be 16-byte aligned"),
-    "workspace_small": (lambda a: a.update(plan=ops.AttentionPlan(2, 1024),
+    "workspace_small": (lambda a: a.update(plan=AttentionPlan(2, 1024),
                                            workspace=torch.empty(16, dtype=torch.uint8)), ValueError, "workspace"),
-    "plan_no_splits": (lambda a: a.update(plan=ops.AttentionPlan(0, 0)), ValueError, "num_splits"),
-    "plan_too_many_splits": (lambda a: a.update(plan=ops.AttentionPlan(ops.MAX_SPLITS + 1, 1 << 20)), ValueError,
+    "plan_no_splits": (lambda a: a.update(plan=AttentionPlan(0, 0)), ValueError, "num_splits"),
+    "plan_too_many_splits": (lambda a: a.update(plan=AttentionPlan(MAX_SPLITS + 1, 1 << 20)), ValueError,
                              "num_splits"),
-    "workspace_misaligned": (lambda a: a.update(plan=ops.AttentionPlan(2, 1024),
+    "workspace_misaligned": (lambda a: a.update(plan=AttentionPlan(2, 1024),
                                                 workspace=torch.empty(1040, dtype=torch.uint8)[4:]), ValueError,
                              "workspace"),
     "seq_len_beyond_block_table": pytest.param(
@@ -536,7 +319,7 @@ def test_opcheck_write_kv(step, cache):
 
 def test_opcheck_paged_attention(step, cache, gen):
     ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
-    plan = ops.plan_attention(3, step.num_kv_heads, 4, step.max_query_len, int(step.seq_lens.max()), step.head_dim)
+    plan = planner.plan_attention(3, step.num_kv_heads, 4, step.max_query_len, int(step.seq_lens.max()), step.head_dim)
     out = torch.full_like(step.q, float("nan"))
     sinks = torch.randn(step.q.shape[1], generator=gen)
     torch.library.opcheck(torch.ops.nvfp4_backend.paged_attention,
@@ -549,7 +332,7 @@ def test_opcheck_paged_attention(step, cache, gen):
 # ============================================================================ torch.compile
 def _compiled_step(step, cache_a, cache_b, sinks, write: str | None):
     kg, vg = torch.tensor(step.k_global_scale), torch.tensor(step.v_global_scale)
-    plan = ops.plan_attention(3, step.num_kv_heads, 4, step.max_query_len, int(step.seq_lens.max()), step.head_dim)
+    plan = planner.plan_attention(3, step.num_kv_heads, 4, step.max_query_len, int(step.seq_lens.max()), step.head_dim)
     ws = plan.allocate_workspace("cpu")
     max_query_len = step.max_query_len          # host-known, like every engine's metadata builder
 
@@ -597,3 +380,23 @@ def test_compile_write_op_and_attention_matches_eager(step, gen, poison_cache):
     for x, y in zip(a.tensors(), b.tensors()):
         assert torch.equal(x, y)
     assert torch.isfinite(eager).all() and torch.equal(compiled, eager)
+
+
+def test_host_lengths_replace_device_reads(make_batch, monkeypatch):
+    """With the lengths on the host, the plan's bounds come from them (no device read) and the
+    output is the same; bad host tensors are refused by name."""
+    step = make_batch((40, 9, 23), (11, 9, 1), page_size=16, num_kv_heads=2, group_size=4, head_dim=64)
+    cache = PagedKVCache.allocate(step.num_pages, 16, 2, 64)
+    ops.write_kv(step.key, step.value, step.slot_mapping, cache, step.k_global_scale, step.v_global_scale)
+    args = (step.q, cache, step.block_table, step.seq_lens, step.query_start_loc, step.k_global_scale,
+            step.v_global_scale, step.softmax_scale)
+    want = ops.paged_attention(*args)
+    planned = []
+    monkeypatch.setattr(planner, "plan_attention", lambda *a, **k: planned.append(a) or planner.AttentionPlan(1, 0))
+    got = ops.paged_attention(*args, seq_lens_cpu=step.seq_lens.clone(), query_start_loc_cpu=step.query_start_loc.clone())
+    assert torch.equal(got, want)
+    assert planned[0][3] == 11 and planned[0][4] == 40  # max query len and max seq len from the host copies
+    with pytest.raises(ValueError, match="seq_lens_cpu must have 3 entries"):
+        ops.paged_attention(*args, seq_lens_cpu=step.seq_lens[:2].clone())
+    with pytest.raises(TypeError, match="query_start_loc_cpu must have dtype"):
+        ops.paged_attention(*args, query_start_loc_cpu=step.query_start_loc.float())

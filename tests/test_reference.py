@@ -181,13 +181,13 @@ def test_reference_matches_dense_fp64_hypothesis(case, q_dtype, seed, make_batch
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_defined_behaviour_for_bad_values():
+def test_defined_behaviour_for_bad_values(gen):
     """The semantics README's reliability section states, on the reference (the GPU suite checks
     the kernel gives the same NaN pattern): a NaN K block poisons the rows that see it, a NaN V
     block only its 16 output dims, a NaN query only its own (row, head), all-zero blocks read as
     exact zeros, and bytes no request owns (here NaN scales) never reach an output."""
     from gpu_cases import bad_values_case
-    case = bad_values_case("cpu", torch.Generator().manual_seed(0))
+    case = bad_values_case("cpu", gen)
     b = case.batch
     out = reference.paged_attention_ref(case.q, case.cache, b.block_table, b.seq_lens, b.query_start_loc,
                                         case.kg, case.vg, 0.1, dtype=torch.float64)

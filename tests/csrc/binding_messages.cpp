@@ -1,8 +1,9 @@
 // The binding's error messages on the host, without a GPU: csrc/binding.cpp is included whole (its
 // checks live in an anonymous namespace), and so is the decode dispatch (csrc/paged_decode.cu, plain
-// host C++: its row and heads-per-block limits); the kernel launchers are stubs that must not be
-// reached, and the CUDA headers binding.cpp needs from torch come from c10_cuda_stub/.  Prints
-// "ok: N checks" or the first mismatch (exit 1).  Built and run by tests/test_build.py.
+// host C++: its heads-per-block and fused rules, on the generated limits header that the test
+// writes); the kernel launchers are stubs that must not be reached, and the CUDA headers binding.cpp
+// needs from torch come from c10_cuda_stub/.  Prints "ok: N checks" or the first mismatch (exit 1).
+// Built and run by tests/test_build.py.
 #include "../../csrc/binding.cpp"
 #include "../../csrc/paged_decode.cu"
 #include "../../csrc/paged_prefill.cu"

@@ -22,13 +22,14 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from nvfp4_backend import PagedKVCache, ops
-from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
-from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend import PagedKVCache, ops, planner
+from nvfp4_backend.capabilities import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME
 
 log = logging.getLogger("nvfp4_sglang")
+
 
 @dataclass
 class ForwardMetadata:
@@ -41,7 +42,7 @@ class ForwardMetadata:
     seq_lens: torch.Tensor         # [batch] int32
     query_start_loc: torch.Tensor  # [batch + 1] int32 query row offsets
     max_query_len: int
-    plan: ops.AttentionPlan
+    plan: planner.AttentionPlan
     workspace: torch.Tensor        # uint8 scratch of at least plan.workspace_bytes
 
 
@@ -76,7 +77,7 @@ class NVFP4XQABackend(AttentionBackend):
         # Largest per-rank GQA group: sizes workspaces before any layer is seen (replicated kv
         # heads under TP only shrink it).
         self.group_bound = max(cfg.num_attention_heads // max(cfg.num_key_value_heads, 1), 1)
-        self.num_sms = ops.num_sms(self.device)
+        self.num_sms = planner.num_sms(self.device)
         # This backend writes and reads the pool, so the engine uses the one mode read here.
         self.kv_mode = configured_kv_mode()
         log.info("%s: NVFP4 KV mode %r ($%s)", BACKEND_NAME, self.kv_mode.name, KV_MODE_ENV)
@@ -86,13 +87,13 @@ class NVFP4XQABackend(AttentionBackend):
         self.forward_metadata = None
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, batch: int, max_query_len: int, max_seq_len: int, query_lens=None) -> ops.AttentionPlan:
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int, query_lens=None) -> planner.AttentionPlan:
         """The decode kernel's share of the step (its workspace is bounded by the decode kernel's rows);
         with an extend's host lengths, for the short requests only (longer ones take the prefill
         kernel, which needs no plan)."""
-        return ops.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, max_query_len,
-                                  max_seq_len, self.token_to_kv_pool.head_dim, self.num_sms,
-                                  token_major=True, device=self.device, query_lens=query_lens)  # token rows
+        return planner.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, max_query_len,
+                                      max_seq_len, self.token_to_kv_pool.head_dim, self.num_sms,
+                                      token_major=True, device=self.device, query_lens=query_lens)  # token rows
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""

@@ -195,7 +195,7 @@ def kv4_compatibility_hook(server_args, previous) -> None:
         raise ValueError(f"speculative decoding ({view.speculative_algorithm}) is not supported by "
                          f"{BACKEND_NAME} yet (no target-verify / draft-extend path)")
     if prefill != decode:
-        from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
+        from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
         mode = configured_kv_mode()
         if mode.rotation != "none":
             # the prefill backend writes and reads unrotated K/V with SGLang's own quantizer

@@ -8,7 +8,7 @@ import torch
 from conftest import Harness, assert_close, rotated
 
 from nvfp4_backend import format as fmt
-from nvfp4_backend.layout import KV_MODE_ENV, KVMode
+from nvfp4_backend.modes import KV_MODE_ENV, KVMode
 
 # new tokens per request, step by step (awkward lengths leave partial pages)
 SCENARIOS = {

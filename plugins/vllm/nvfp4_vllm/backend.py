@@ -33,14 +33,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
 
 from vllm.logger import init_logger
 
-from nvfp4_backend import PagedKVCache, ops
+from nvfp4_backend import PagedKVCache, ops, planner
 from nvfp4_backend import format as fmt
-from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
-from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
 
-HEAD_SIZES = list(fmt.SUPPORTED_HEAD_DIMS)
+HEAD_SIZES = list(SUPPORTED_HEAD_DIMS)
 BLOCK_SIZES = [16, 32, 64, 128]
 MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
 
@@ -146,7 +146,7 @@ class Nvfp4AttentionCall:
     seq_lens: torch.Tensor          # [reqs] int32
     block_table: torch.Tensor       # [reqs, max_pages] int32
     max_query_len: int
-    plan: ops.AttentionPlan
+    plan: planner.AttentionPlan
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
             raise RuntimeError(f"{BACKEND_NAME}: the CUDA kernels are unavailable on {device} "
                                f"({unavailable_reason(torch.cuda.get_device_capability(device))}); full CUDA "
                                f"graphs need them: fix the build or run with --enforce-eager")
-        self.num_sms = ops.num_sms(device)
+        self.num_sms = planner.num_sms(device)
         # The layout the engine core resolved (unset in tools and tests: then our first choice, head-major).
         layout = vllm_config.cache_config.kv_cache_layout
         self.token_major = layout is not None and KVCacheLayout[layout] in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
@@ -189,7 +189,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         q_kernel = kernel_max_query_len(self.group_size, self.head_size)
         plans = [self._plan(b, q_kernel, self.max_model_len)
                  for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if q_kernel else []
-        worst = max(plans, key=lambda p: p.workspace_bytes, default=ops.AttentionPlan(1, 0))
+        worst = max(plans, key=lambda p: p.workspace_bytes, default=planner.AttentionPlan(1, 0))
         self.workspace = worst.allocate_workspace(device)
 
     @classmethod
@@ -203,11 +203,11 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
-    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> ops.AttentionPlan:
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> planner.AttentionPlan:
         if not decode_supports(self.group_size, max_query_len, self.head_size):
-            return ops.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
-        return ops.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                  self.head_size, self.num_sms, token_major=self.token_major, device=self.device)
+            return planner.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
+        return planner.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
+                                      self.head_size, self.num_sms, token_major=self.token_major, device=self.device)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:

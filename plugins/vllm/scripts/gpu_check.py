@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from nvfp4_backend import PagedKVCache, ops, reference
+from nvfp4_backend import PagedKVCache, capabilities, ops, planner, reference
 from nvfp4_backend import format as fmt
 
 DEV = torch.device("cuda")
@@ -92,8 +92,8 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     # 0 cached tokens.
     pad = 4
     qsl = torch.cat([torch.arange(batch + 1), torch.full((pad,), batch)]).to(torch.int32)
-    plan = ops.plan_attention(batch + pad, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
-                              ops.num_sms(DEV))
+    plan = planner.plan_attention(batch + pad, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
+                                  planner.num_sms(DEV))
     workspace = plan.allocate_workspace(DEV)
     q = torch.randn(batch, NUM_HEADS, HEAD, generator=gen).bfloat16().to(DEV)
     out = torch.empty_like(q)
@@ -127,8 +127,8 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     many = 128
     pick = torch.arange(many) % batch
     m_bt, m_seq, m_qsl = block_table[pick], seq_lens[pick], torch.arange(many + 1, dtype=torch.int32)
-    m_plan = ops.plan_attention(many, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
-                                ops.num_sms(DEV))
+    m_plan = planner.plan_attention(many, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 1, MAX_MODEL_LEN, HEAD,
+                                    planner.num_sms(DEV))
     mq = torch.randn(many, NUM_HEADS, HEAD, generator=gen).bfloat16()
     m_out = ops.paged_attention(mq.to(DEV), cache, m_bt.to(DEV), m_seq.to(DEV), m_qsl.to(DEV), k_scale, v_scale,
                                 HEAD ** -0.5, max_query_len=1, plan=m_plan, workspace=m_plan.allocate_workspace(DEV))
@@ -143,14 +143,14 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     p_bt = block_table[:2].contiguous()
     pq = torch.randn(137, NUM_HEADS, HEAD, generator=gen).bfloat16()
     p_out = ops.paged_attention(pq.to(DEV), cache, p_bt.to(DEV), p_seq.to(DEV), p_qsl.to(DEV), k_scale, v_scale,
-                                HEAD ** -0.5, max_query_len=100, plan=ops.AttentionPlan(1, 0), workspace=workspace)
+                                HEAD ** -0.5, max_query_len=100, plan=planner.AttentionPlan(1, 0), workspace=workspace)
     want = reference.paged_attention_ref(pq, cpu, p_bt, p_seq, p_qsl, k_scale.cpu(), v_scale.cpu(), HEAD ** -0.5)
     ok &= check("prefill rows (dense path)", p_out, want)
     # short extends (3 new tokens x group 4 = 12 rows): the kernel path with its own plan
     e_qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
     e_seq = seq_lens[:2].clamp(min=3)
-    e_plan = ops.plan_attention(2, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 3, int(e_seq.max()), HEAD,
-                                ops.num_sms(DEV))
+    e_plan = planner.plan_attention(2, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, 3, int(e_seq.max()), HEAD,
+                                    planner.num_sms(DEV))
     eq = torch.randn(6, NUM_HEADS, HEAD, generator=gen).bfloat16()
     e_out = ops.paged_attention(eq.to(DEV), cache, p_bt.to(DEV), e_seq.to(DEV), e_qsl.to(DEV), k_scale, v_scale,
                                 HEAD ** -0.5, max_query_len=3, plan=e_plan, workspace=e_plan.allocate_workspace(DEV))
@@ -160,8 +160,7 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
 
 
 def main() -> int:
-    from nvfp4_backend import jit
-    print(torch.cuda.get_device_name(DEV), "kernels:", jit.kernels_available(DEV))
+    print(torch.cuda.get_device_name(DEV), "kernels:", capabilities.kernels_available(DEV))
     gen = torch.Generator().manual_seed(0)
     results = {layout: run_layout(layout, gen) for layout in LAYOUTS}
     print("RESULT", "PASS" if all(results.values()) else f"FAIL {[k for k, v in results.items() if not v]}")

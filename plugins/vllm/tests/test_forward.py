@@ -22,7 +22,7 @@ from vllm.v1.worker.utils import customize_attention_spec
 
 from conftest import cuda_or_skip, make_layer
 from nvfp4_backend import format as fmt
-from nvfp4_backend.layout import KV_MODE_ENV, KVMode
+from nvfp4_backend.modes import KV_MODE_ENV, KVMode
 from nvfp4_vllm.backend import Nvfp4XqaBackend as Backend
 
 NUM_BLOCKS = 48
@@ -282,18 +282,18 @@ def test_other_head_sizes_and_groups(make_config, head_size, num_heads, num_kv_h
 def test_builder_plans_for_the_resolved_layout(make_config, layout, token_major):
     """The builder plans for the layout vLLM's engine core resolved (token-major pages pack kv heads
     where a grid splits); unresolved, for head-major pages, the backend's first choice."""
-    from nvfp4_backend import ops
+    from nvfp4_backend import planner
     config = make_config()
     config.cache_config.kv_cache_layout = layout
     layer = make_layer(config)
     spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
     builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
-    assert builder._plan(1, 1, 131072) == ops.plan_attention(1, 2, 4, 1, 131072, 128, token_major=token_major)
+    assert builder._plan(1, 1, 131072) == planner.plan_attention(1, 2, 4, 1, 131072, 128, token_major=token_major)
     assert (builder._plan(1, 1, 131072).heads_per_block == 2) == token_major
 
 
 def test_builder_splits_mixed_batch(make_config):
-    from nvfp4_backend import ops
+    from nvfp4_backend import planner
     config = make_config()
     layer = make_layer(config)
     spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
@@ -308,13 +308,13 @@ def test_builder_splits_mixed_batch(make_config):
     assert p.query_start_loc.tolist() == [0, 37, 40, 104]  # rebased to the prefill rows
     assert p.seq_lens.tolist() == step.seq_lens[2:] and torch.equal(p.block_table, cm.block_table_tensor[2:])
     assert (d.max_query_len, p.max_query_len) == (1, 64)
-    assert d.plan == ops.plan_attention(2, 2, 4, 1, cm.max_seq_len, 128)
+    assert d.plan == planner.plan_attention(2, 2, 4, 1, cm.max_seq_len, 128)
     assert p.plan.num_splits == 1  # 64 rows x group 4 is past the decode kernel: dense path
     assert md.slot_mapping is cm.slot_mapping and md.num_actual_tokens == cm.num_actual_tokens
     # graphs are captured once and replayed for any length: plan for the longest
     captured = builder.build_for_cudagraph_capture(Step(BATCHES["decode"], 16, "cpu", torch.Generator()).metadata())
     assert captured.prefill is None
-    assert captured.decode.plan == ops.plan_attention(4, 2, 4, 1, config.model_config.max_model_len, 128)
+    assert captured.decode.plan == planner.plan_attention(4, 2, 4, 1, config.model_config.max_model_len, 128)
     assert captured.decode.plan.workspace_bytes <= md.workspace.numel()
     assert captured.workspace is md.workspace  # one preallocated buffer for every step and graph
 

@@ -1,0 +1,48 @@
+// The generated limits (nvfp4_limits.h, from nvfp4_backend/capabilities.py) that follow from the decode
+// kernels' own layout, checked against it at compile time: the planner, the ops and the binding decide
+// with the generated numbers, so a kernel change that moves one fails the build here until
+// capabilities.py says the same.  No code: compile-time checks only.
+#include "decode_kernel.cuh"
+
+namespace nvfp4::decode {
+namespace {
+
+template <int N, int M>
+constexpr bool same(const int (&a)[N], const int (&b)[M]) {
+  if (N != M) return false;
+  for (int i = 0; i < N; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+// the head dims paged_decode.cu, paged_prefill.cu and write_kv.cu instantiate
+static_assert(same(kHeadDims, {64, 128, 256}), "capabilities.SUPPORTED_HEAD_DIMS are not the kernels' head dims");
+static_assert(same(kFusedHeadDims, {64, 128}), "capabilities.FUSED_HEAD_DIMS are not the fused kernel's head dims");
+
+// rows: a row tile of the MMA, and the widest configuration launch_for_rows takes per head dim
+static_assert(Config<128, 1, 1>::kMaxRows == kRowTile, "capabilities.ROW_TILE is not the kernels' row tile");
+static_assert(Config<64, 2, 4>::kMaxRows == decode_max_rows(64) && Config<128, 2, 4>::kMaxRows == decode_max_rows(128) &&
+                  Config<256, 1, 4>::kMaxRows == decode_max_rows(256),
+              "capabilities.DECODE_MAX_ROWS are not the decode kernels' widest row configurations");
+
+// kv heads per block: the static kernels of one row tile, the fused kernels of one and two
+static_assert(Config<64, 1, 1>::kMaxHeads == kPackedMaxHeads && Config<128, 1, 1>::kMaxHeads == kPackedMaxHeads,
+              "capabilities.PACKED_MAX_HEADS is not the static kernels' kv heads per block");
+template <int kHeadDim, int kRowTiles>
+using Fused = Config<kHeadDim, kRowTiles, 1, decode_fused_warps(kRowTiles * kRowTile)>;
+template <int kHeadDim>
+constexpr bool fused_heads_fit() {
+  return Fused<kHeadDim, 1>::kMaxHeads == kFusedHeadTiles && Fused<kHeadDim, 2>::kMaxHeads * 2 == kFusedHeadTiles &&
+         Fused<kHeadDim, 2>::kMaxRows == kFusedMaxRows;
+}
+static_assert(fused_heads_fit<64>() && fused_heads_fit<128>(),
+              "capabilities.FUSED_HEAD_TILES / FUSED_MAX_ROWS are not the fused kernel's heads and rows per block");
+
+// shared memory: the planner picks the fused kernel where a device gives a block FUSED_SHARED_MEMORY
+constexpr int kLargestFusedBlock = cmax(cmax(Fused<64, 1>::kSmemBytes, Fused<64, 2>::kSmemBytes),
+                                        cmax(Fused<128, 1>::kSmemBytes, Fused<128, 2>::kSmemBytes));
+static_assert(kLargestFusedBlock == kFusedSharedMemory,
+              "capabilities.FUSED_SHARED_MEMORY is not the fused kernel's largest block (Config::kSmemBytes)");
+
+}  // namespace
+}  // namespace nvfp4::decode

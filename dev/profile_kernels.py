@@ -1,0 +1,39 @@
+"""The decode and write kernels on the benchmark's shapes, one launch each, for Nsight Compute.
+
+    ncu --set full -k regex:"paged_decode|write_kv" -o $OUT/profile python3 dev/profile_kernels.py
+
+Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16.
+"""
+import argparse
+import types
+
+import torch
+
+from nvfp4_backend import ops
+from nvfp4_backend.tools import bench
+from nvfp4_backend.layout import PagedKVCache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--grid", default="64x8192,128x512")
+    args = ap.parse_args()
+    dev, gen = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
+    shape = types.SimpleNamespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
+    for case in args.grid.split(","):
+        B, L = map(int, case.split("x"))
+        batch = bench.uniform_batch(B, L, 16, shape, dev, gen)
+        q = torch.randn(B, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
+        batch.attention(q, 1)  # plans and runs the op once
+        torch.cuda.synchronize()
+    tokens = 16384
+    cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", dev)
+    k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=dev)
+    slots = torch.randperm(tokens, device=dev) + 16
+    ops.write_kv(k, torch.randn_like(k), slots, cache, torch.tensor(0.01, device=dev), torch.tensor(0.01, device=dev))
+    torch.cuda.synchronize()
+    print("profiled", args.grid, "and write_kv", tokens, "tokens")
+
+
+if __name__ == "__main__":
+    main()
