@@ -1,7 +1,7 @@
 // Paged NVFP4 attention for decode / spec-decode / short extends.  Included by the
 // paged_decode_hd*.cu files, one per head dim, so ninja builds them in parallel.
 //
-// Design (see DESIGN.md "Facts for the decode kernel"):
+// Design (docs/kernels.md#decode says why):
 //  * grid (num_splits, num_kv_heads / heads_per_block, batch): one thread block streams one split of
 //    one request's KV range for one kv head, once, for ALL its query rows (q_len x group, up to 64), so
 //    every K/V byte is read from memory once per step.  Plain decode with few rows per head may pack
@@ -13,10 +13,10 @@
 //    SM serves 1-8 kv heads; warp w streams head w % heads, holds that head's rows only, and takes
 //    every warps_per_head-th 32-token step of it.  One block per SM instead of four: no blocks that
 //    end one after another, no partial wave (Config, below).
-//  * static kernels: 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block scales) per stage
-//    into shared memory; page indices are prefetched one loop iteration ahead.  The one-row-warp
-//    kernels of hd64 and hd128 (up to 8 query rows with one row tile: plain decode; up to 16 with
-//    two) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
+//  * static kernels: 4 warps; a 4-stage cp.async pipeline brings 64 tokens (K and V data + block
+//    scales) per stage into shared memory; page indices are prefetched one loop iteration ahead.  The
+//    one-row-warp kernels of hd64 and hd128 (up to 8 query rows with one row tile: plain decode; up to
+//    16 with two) take two stages per iteration, one softmax step for a warp's 16-token sub-tiles of both.
 //  * tensor cores: S^T = K Q^T (tokens on the 16-row side, query rows on the 8-wide side) and
 //    O^T = V^T P^T, both mma.sync m16n8k16 fp16 with fp32 accumulation (SM80..SM120), for fp16
 //    and bf16 queries alike.  The S^T accumulator is turned into the P^T operand with
@@ -33,6 +33,9 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <type_traits>
+#include "decode_config.cuh"
+#include "decode_merge.cuh"
+#include "decode_primitives.cuh"
 #include "e2m1.h"
 #include "half_types.cuh"
 #include "nvfp4_kernels.h"
@@ -40,269 +43,6 @@
 namespace nvfp4 {
 namespace decode {
 
-constexpr int kStages = 4;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
-// Softmax weights are computed times 2^15 (at most 2^15 <= fp16's 65504), so in fp16 they stay
-// normal down to 2^-29 of the row maximum instead of 2^-14.  The output's numerator and the row
-// sums carry the same factor, which cancels; only the sinks' weights must be given it too.
-constexpr float kWeightBiasLog2 = 15.0f;
-
-// The MMAs run in fp16 for both query dtypes: E2M1 x E4M3 x 2^-7 is exact in fp16 (at most 6
-// significant bits, 2^-17 .. 21), the softmax weights keep 3 more bits than in bf16, and an E2M1
-// code is a single fp16 high byte, which is what makes the unpack below cheap.  bf16 queries are scaled by
-// a power of two per row into fp16's range (exact but for elements some 2^31 below the row's
-// maximum, which lose bits, and 2^39 below, which become 0).
-constexpr float kScaleBias = 128.0f;  // E2M1 codes unpack as value * 2^-14; scales carry 2^7: 2^-7
-__device__ __forceinline__ uint32_t scale2(float s) { return pack2(s * kScaleBias, s * kScaleBias, __half()); }
-__device__ __forceinline__ void store(__half* dst, float x) { *dst = __float2half_rn(x); }
-__device__ __forceinline__ void store(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
-
-// ------------------------------------------------------------------ PTX wrappers
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// dst: a shared address.  A negative zero_if_negative reads nothing and writes zeros (the ignore-src
-// predicate, set inside the asm: a bool passed in became a register and a conversion back).
-// .L2::128B: a miss fetches the whole 128-byte line into L2.  In token-major (NHD) pages a kv head's
-// row is 64 bytes of a line whose other half is the next head's, read by another warp or block
-// soon after: it then hits L2 instead of opening the DRAM row again (64 x 8192, 8 kv heads: 237 ->
-// 201 us; head-major pages, whose copies read whole lines anyway, unchanged).
-template <int kBytes>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int zero_if_negative) {
-  if constexpr (kBytes == 16) {
-    asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %2, 0;\n cp.async.cg.shared.global.L2::128B [%0], [%1], 16, z;\n}\n"
-                 ::"r"(dst), "l"(src), "r"(zero_if_negative));
-  } else {
-    asm volatile("{\n .reg .pred z;\n setp.lt.s32 z, %3, 0;\n cp.async.ca.shared.global.L2::128B [%0], [%1], %2, z;\n}\n"
-                 ::"r"(dst), "l"(src), "n"(kBytes), "r"(zero_if_negative));
-  }
-}
-// a * b + c, 32 x 32 bits + 64 bits: one IMAD.WIDE.U32
-__device__ __forceinline__ const uint8_t* mad_wide(uint32_t a, uint32_t b, const uint8_t* c) {
-  const uint8_t* d;
-  asm("mad.wide.u32 %0, %1, %2, %3;\n" : "=l"(d) : "r"(a), "r"(b), "l"(c));
-  return d;
-}
-// base + token * token_stride + page * page_stride as 32 x 32 + 64-bit multiply-adds: in C++, nvcc
-// added one 64-bit offset to each base (some 15 instructions for a stage's three sources)
-__device__ __forceinline__ const uint8_t* paged_source(const uint8_t* base, uint32_t page, uint32_t page_stride,
-                                                       uint32_t token, uint32_t token_stride) {
-  return mad_wide(page, page_stride, mad_wide(token, token_stride, base));
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// The value unchanged, but opaque to the compiler: it must keep it in a register instead of
-// recomputing it from the parameters and the thread index wherever it is used (in the tile loop)
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ const T* opaque(const T* x) {
-  asm volatile("mov.b64 %0, %0;\n" : "+l"(x));
-  return x;
-}
-// Read-only loads that stay where they are written: nvcc sinks plain loads towards their first use,
-// and volatile asm keeps its order with the copies' (volatile) asm
-__device__ __forceinline__ float load_in_order(const float* src) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(src));
-  return v;
-}
-__device__ __forceinline__ uint4 load_in_order(const uint4* src) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  return v;
-}
-__device__ __forceinline__ float4 load_in_order(const float4* src) {
-  float4 v;
-  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src));
-  return v;
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
-
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-// (a & mask) | (b & ~mask) in one LOP3
-__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t mask) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(mask));
-  return r;
-}
-
-// Four fp16 pairs from the 8 E2M1 codes of a word (code k at bits 4k..4k+3, sign on top): (n0,n4),
-// (n2,n6), (n1,n5), (n3,n7), each code as value * 2^-14.  An E2M1 code smmm is the fp16 high byte
-// s000mmm0 (low byte 0), so the codes are first laid out one per byte in that form, even codes in
-// one word and odd codes in another (6 instructions), and then each pair is one byte permute with
-// zero bytes between.  The masks: bit 3 of each byte is in 0x0E, so `sign` keeps only bit 7 there.
-__device__ __forceinline__ void unpack_word(uint32_t q, uint32_t (&pairs)[4]) {
-  const uint32_t sign = q & 0x88888888u;
-  // sign << 4 as its own shift: in plain C++ nvcc turns (q & m) << 4 into (q << 4) & (m << 4), which
-  // does not reuse `sign`: an AND more per word
-  uint32_t sign4;
-  asm("shl.b32 %0, %1, 4;\n" : "=r"(sign4) : "r"(sign));
-  const uint32_t even = select_bits(q << 1, sign4, 0x0E0E0E0Eu);  // codes 0, 2, 4, 6
-  const uint32_t odd = select_bits(q >> 3, sign, 0x0E0E0E0Eu);        // codes 1, 3, 5, 7
-  pairs[0] = __byte_perm(even, 0u, 0x2404);  // {0, byte 0, 0, byte 2}
-  pairs[1] = __byte_perm(even, 0u, 0x3414);  // {0, byte 1, 0, byte 3}
-  pairs[2] = __byte_perm(odd, 0u, 0x2404);
-  pairs[3] = __byte_perm(odd, 0u, 0x3414);
-}
-// Element (within the word) of each pair's low half, in unpack_word order; the high half is +4.
-__device__ __forceinline__ constexpr int pair_element(int j) { return j == 0 ? 0 : j == 1 ? 2 : j == 2 ? 1 : 3; }
-
-// ------------------------------------------------------------------ configuration
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-template <int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps = 0>
-struct Config {
-  // kFusedWarps > 0: the fused kernel (one row warp, two stages per step): that many warps per block,
-  // warp w on the block's kv head w % heads, the rank w / heads of its head's warps_per_head, taking its
-  // head's 32-token steps rank, rank + warps_per_head, ...; a warp holds its own head's rows.
-  // 0: 4 warps, each on every 4th 16-token sub-tile of one kv head (or packed heads' shares)
-  static constexpr bool kFused = kFusedWarps > 0;
-  static constexpr int kWarps = kFused ? kFusedWarps : 4;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileTokens = 16 * kWarps;  // tokens per pipeline stage: 16 per warp
-  static constexpr int kMaxHeads = kFused ? 8 / kRowTiles : 4;  // kv heads per block
-  static constexpr int kDataBytes = kHeadDim / 2;       // per token-head
-  static constexpr int kScaleBytes = kHeadDim / 16;
-  static constexpr int kTokenWarps = kWarps / kRowWarps;
-  static constexpr int kSubTiles = kTileTokens / 16 / kTokenWarps;  // 16-token sub-tiles per warp and stage
-  // Stages per loop iteration, and sub-tiles per softmax step.  The one-row-warp one-row-tile kernels
-  // take two stages at a time, and a warp's sub-tiles of both share one softmax step: the row maxima's
-  // shuffles, the rescale test and the loop's own work are paid once per 32 tokens instead of 16
-  // (hd128 / hd64 3-10 % faster; hd256, whose tile work is twice hd128's, was 1 % slower at 64 x 8192).
-  // The two-row-tile kernel (up to 16 rows: q_len 4 at group 4) pairs too; at hd128 that needs some 160
-  // registers, so its bound is 3 blocks per SM instead of 4 (no spills on sm_80, sm_90, sm_120)
-  static constexpr int kTilesPerStep = kRowWarps == 1 && kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kStepSubTiles = kTilesPerStep * kSubTiles;
-  static constexpr int kRowsPerWarp = kRowTiles * 8;
-  static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
-  static constexpr int kKSteps = kHeadDim / 16;          // QK k-steps over the head dim
-  static constexpr int kDTiles = kHeadDim / 16;          // PV m-tiles over the head dim
-  static constexpr int kKChunk = kDataBytes / 4;         // K bytes per thread per token
-  static constexpr int kVChunk = kDataBytes / 8;         // V bytes per thread per token
-  // data rows are padded by 32 bytes every 4 rows so the V reads of a warp (4 rows, 4 apart)
-  // fall in different banks.  Not in hd128's fused kernel of one row tile (plain decode): unpadded, its
-  // loads conflict more (ncu: 2.6 ways on average), and yet on an H200 it ran 4.5-5 % faster back
-  // to back (64 x 8192 173.3-174.2 against 181.6-182.0 us, 1 x 131072 55.3-55.7 against 58.0-58.4, 8 x
-  // 32768 and 32 x 8192 alike: results/h200-2026-12-01-06016e9/).  Why is not known: the loop's
-  // instructions are the same (1206 against 1207), and at ncu's locked clock it is as much faster (IPC 2.83
-  // against 2.73, with 2.6-way conflicts on its loads).  It is not mainly the banks, nor the carveout: a
-  // 160-byte pad, bank for bank 32's, ran 0.8-1.4 % behind unpadded, and the largest carveout left 32 as
-  // slow (results/h200-2026-12-01-bc5c76e/).  Unpadded, the static kernels lost up to 11 % at D 256 (128 x
-  // 512 74 -> 82 us) and were flat to 3 % slower at D 128 and 64, and the two-row-tile fused kernel and
-  // hd64's were flat or slower: they keep the pad.
-  static constexpr int kRowPad = kFused && kRowTiles == 1 && kHeadDim == 128 ? 0 : 32;
-  static constexpr int data_offset(int row) { return row * kDataBytes + (row >> 2) * kRowPad; }
-  static constexpr int kDataStage = data_offset(kTileTokens);
-  static constexpr int kScaleStage = kTileTokens * kScaleBytes;
-  static constexpr int kStageBytes = 2 * (kDataStage + kScaleStage);
-  static constexpr int kPipelineBytes = kStages * kStageBytes;
-  // per token warp and row: the output row, its running max and sum
-  static constexpr int kMergeBytes = kTokenWarps * kMaxRows * (kHeadDim + 2) * 4;
-  // KV mode "hadamard": the block's query rows (all its heads'), rotated, and its output rows before
-  // they are rotated back.  The static kernel's rows (at most kMaxRows) take token warp 0's merge slot,
-  // which only the thread merging an element reads; the fused kernel's, kMaxRows per head, follow the
-  // merge buffers
-  static constexpr int kMaxBlockRows = kFused ? kMaxRows * kMaxHeads : kMaxRows;
-  static constexpr int kRotOffset = kFused ? kMergeBytes : 0;
-  static constexpr int kRotEnd = kRotOffset + kMaxBlockRows * kHeadDim * 4;
-  static constexpr int kBufferBytes = cmax(kPipelineBytes, cmax(kMergeBytes, kRotEnd));
-  // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
-  // instead of a dozen conversion instructions
-  static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
-  // kernels with two row tiles and up to two row warps keep the Q^T operands in shared memory, one
-  // copy per row warp ([row warp][tile][k-step][lane] x 8 bytes), instead of 16 registers per row
-  // tile per thread: their registers would otherwise allow one block per SM fewer (the 64-row kernel
-  // is held to 3 by its registers and shared memory either way)
-  static constexpr bool kQInSmem = kRowTiles > 1 && kRowWarps <= 2;
-  static constexpr int kQOffset = kLutOffset + 256 * 4;
-  static constexpr int kQBytes = kQInSmem ? (kFused ? kMaxHeads : kRowWarps) * kRowTiles * kKSteps * 32 * 8 : 0;
-  static constexpr int kSmemBytes = kQOffset + kQBytes;
-  // The kernel's launch bound (blocks per SM that its registers must allow).  Two row tiles and up to
-  // two row warps: 4 (at most 128 registers, the Q operands in shared memory; no spills at hd128 on
-  // sm_80 and sm_90), but 3 where hd128's take two stages per iteration (some 160 registers).  One
-  // row tile and one row warp: 4 at hd64 and hd128, the split planner's target (96 and 126
-  // registers, no spills).  Bounds of 8 (hd64) and 5 (hd128) had squeezed them into 64 and 96
-  // registers with spills, and at hd128 loop indices recomputed every iteration: 3-5 % slower at
-  // 64 x 8192 (results/h200-2026-11-30-473cf26 and -2453bfa).  hd256: 2, what its shared memory
-  // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
-  // spills).  0 leaves the others to the compiler.
-  // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
-  // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
-  static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
-                                         : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
-                                         : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
-                                         : kHeadDim == 256                                     ? 2
-                                                                                               : 0;
-  // Which kernels may copy whole token rows (the kernel's kRowCopies) where a token's kv heads lie
-  // side by side (NHD pages, SGLang's token rows: head stride = a head's row).  There a head's row is part of a line the
-  // neighbouring heads share, and copying one sector of 16 tokens' rows per warp instruction (the
-  // head-major pages' order, whole sectors of contiguous rows) made each instruction touch 16 lines for a
-  // sector each; whole rows, kDataBytes / 16 threads per token, touch half as many lines for two
-  // sectors each.  On an H200 (results/h200-2026-12-01-21fa567/row-copies/, isolated): NHD pages of 16, 64 x
-  // 8192 210-211 -> 184-185 us, 1 x 131072 67.8 -> 58.5-58.9, 8 x 32768 119 -> 103-104; token rows (page
-  // 1) 64 x 8192 373 -> 219, 16 x 8192 75.3 -> 64; D 256 64 x 4096 213 -> 205.  Head-major pages keep the
-  // sector order (a warp's 16 contiguous rows are whole lines either way): their kernels are unchanged
-  // (as a runtime branch instead of a template argument, the copy order had cost head-major 4-query-token
-  // decode 2-4 % through the two-row-tile kernels' registers).  Kernels of one row warp, whose warps copy
-  // only the sub-tiles they read; with two row tiles (4 query tokens) the gain is 0-4 % (1 x 131072 79.1
-  // -> 76.1-76.4 us).  D 64's row is one sector: nothing to change.
-  static constexpr bool kRowCopiesServe = kDataBytes >= 64 && kRowTiles <= 2 && kRowWarps == 1;
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim");
-  static_assert(kTileTokens % (16 * kTokenWarps) == 0, "tile");
-  static_assert(kTilesPerStep == 1 || kSubTiles == 1, "a softmax step: a warp's sub-tiles of one stage, or its one sub-tile of each");
-  static_assert(kStages >= 2 * kTilesPerStep, "the next step's stages fill while this step's are read");
-  static_assert(kStages % kTilesPerStep == 0, "a step's stages are consecutive in the ring, one commit group per step");
-  static_assert(kThreads == 2 * kTileTokens && kTileTokens == 16 * kWarps, "copies: two threads per token, a warp per sub-tile");
-  static_assert(!kFused || (kRowWarps == 1 && kTilesPerStep == 2 && kWarps % kMaxHeads == 0),
-                "fused: a warp's own rows, 32-token steps, as many warps on each head");
-  static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
-};
-
-// Token within a 16-token MMA tile held at MMA row m: rows (2c, 2c+1, 2c+8, 2c+9) are the
-// 4 consecutive tokens 4c..4c+3, so the PV operand of thread c reads 4 adjacent rows.
-__device__ __forceinline__ int tile_token(int m) { return 4 * ((m & 7) >> 1) + (m & 1) + ((m >> 3) << 1); }
-
-// Unnormalized Walsh-Hadamard transform of `rows` rows of kHeadDim floats in shared memory, in
-// place (KV mode "hadamard": x H = fwht(x) / sqrt(D)).  Every thread of the block calls it; it
-// starts and ends with a barrier.
-template <int kHeadDim, int kThreads>
-__device__ __forceinline__ void fwht_rows(float* buf, int rows) {
-  __syncthreads();
-  for (int h = 1; h < kHeadDim; h *= 2) {
-    for (int idx = threadIdx.x; idx < rows * (kHeadDim / 2); idx += kThreads) {
-      const int j = idx % (kHeadDim / 2);
-      float* x = buf + (idx / (kHeadDim / 2)) * kHeadDim + (j / h) * 2 * h + j % h;
-      const float a = x[0], b = x[h];
-      x[0] = a + b;
-      x[h] = a - b;
-    }
-    __syncthreads();
-  }
-}
-
-// ------------------------------------------------------------------ the kernel
 template <typename T, int kHeadDim, int kRowTiles, int kRowWarps, int kFusedWarps, bool kRowCopies>
 __global__ void __launch_bounds__((Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kThreads),
                                   (Config<kHeadDim, kRowTiles, kRowWarps, kFusedWarps>::kMinBlocksPerSm))
@@ -928,93 +668,6 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
         store(static_cast<T*>(p.out) + row_offset(row, p.out_stride_token, p.out_stride_head) + d, value);
       }
     }
-  }
-}
-
-// Combine the splits of one query row of one (request, kv head) per block.  Each group of kHeadDim / 4
-// threads (float4 loads) folds its share of the splits into a running maximum, sum and output, eight
-// splits per round, and the groups combine once in shared memory.  A round's loads are written
-// before any use (ptxas still issues the outputs' loads after the first exp2f: two latencies per
-// round); the former two passes, the splits' maximum and then their weights, cost three in a row
-// (4.6-4.8 us at 1 x 131072, now 3.3-3.6).  The block has as many groups as one round needs (at
-// least a warp), up to kMergeMaxThreads: 512 threads for each of 1024 rows of 2 splits cost ~9 us
-// more.  Sums go in a fixed order, so results are run-to-run identical.
-constexpr int kMergeMaxThreads = 512;
-constexpr int kMergeBatch = 8;  // splits per group and round
-template <int kHeadDim>
-constexpr int merge_threads(int num_splits) {
-  const int threads = (num_splits + kMergeBatch - 1) / kMergeBatch * (kHeadDim / 4);
-  return threads < 32 ? 32 : threads > kMergeMaxThreads ? kMergeMaxThreads : (threads + 31) / 32 * 32;
-}
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kGroupThreads = kHeadDim / 4, kMaxGroups = kMergeMaxThreads / kGroupThreads;
-  const int groups = blockDim.x / kGroupThreads;
-  __shared__ float group_max[kMaxGroups], group_sum[kMaxGroups];
-  __shared__ __align__(16) float group_out[kMaxGroups][kHeadDim];
-  const int row = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
-  const int q_start = p.query_start_loc[req];
-  const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
-  if (row >= rows) return;
-  const int head = kv_head * p.group_size + row % p.group_size;
-  // loaded before the splits' (after them, each was a memory latency between the last barrier and the stores)
-  const float sink = p.sinks != nullptr ? __ldg(p.sinks + head) * kLog2e : -INFINITY;
-  const float v_scale = __ldg(p.v_global_scale) * kDequantBias;
-  const int64_t first = ((int64_t)req * p.num_kv_heads + kv_head) * p.num_splits * p.max_rows + row;
-  const float* split_max = p.partial_max + first;  // split s at s * max_rows
-  const float* split_sum = p.partial_sum + first;
-  const int group = threadIdx.x / kGroupThreads, d4 = 4 * (threadIdx.x % kGroupThreads);
-  const float* split_out = p.partial_out + first * kHeadDim + d4;  // split s at s * max_rows * kHeadDim
-
-  float m = -INFINITY, l = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int s0 = group; s0 < p.num_splits; s0 += groups * kMergeBatch) {
-    float ms[kMergeBatch], ls[kMergeBatch];
-    float4 os[kMergeBatch];
-    // the round's loads first, volatile (nvcc sank plain ones below the first exp2f; ptxas still
-    // moves most output loads after it); past the last split, the last one again, weighed 0 below
-#pragma unroll
-    for (int i = 0; i < kMergeBatch; ++i) {
-      const int64_t s = min(s0 + i * groups, p.num_splits - 1);
-      os[i] = load_in_order(reinterpret_cast<const float4*>(split_out + s * p.max_rows * kHeadDim));
-      ms[i] = load_in_order(split_max + s * p.max_rows);
-      ls[i] = load_in_order(split_sum + s * p.max_rows);
-    }
-#pragma unroll
-    for (int i = 0; i < kMergeBatch; ++i) {
-      if (s0 + i * groups >= p.num_splits) ms[i] = -INFINITY;  // weight exp2(-inf) = 0
-    }
-    float m_new = m;
-#pragma unroll
-    for (int i = 0; i < kMergeBatch; ++i) m_new = fmaxf(m_new, ms[i]);  // fmaxf drops a NaN maximum ...
-    const float base = m_new == -INFINITY ? 0.f : m_new;
-    const float a = exp2f(m - base);
-    l *= a, acc.x *= a, acc.y *= a, acc.z *= a, acc.w *= a;
-#pragma unroll
-    for (int i = 0; i < kMergeBatch; ++i) {
-      const float f = exp2f(ms[i] - base);  // ... whose weight is NaN, and so are the sum and output
-      l += f * ls[i];
-      acc.x += f * os[i].x, acc.y += f * os[i].y, acc.z += f * os[i].z, acc.w += f * os[i].w;
-    }
-    m = m_new;
-  }
-  if (threadIdx.x % kGroupThreads == 0) group_max[group] = m, group_sum[group] = l;
-  *reinterpret_cast<float4*>(&group_out[group][d4]) = acc;
-  __syncthreads();
-
-  float m_all = sink;
-  for (int g = 0; g < groups; ++g) m_all = fmaxf(m_all, group_max[g]);
-  const float base = m_all == -INFINITY ? 0.f : m_all;
-  float l_all = 0.f;
-  for (int g = 0; g < groups; ++g) l_all += exp2f(group_max[g] - base) * group_sum[g];
-  if (p.sinks != nullptr) l_all += exp2f(sink - base + kWeightBiasLog2);
-  T* dst = static_cast<T*>(p.out) + (int64_t)(q_start + row / p.group_size) * p.out_stride_token +
-           (int64_t)head * p.out_stride_head;
-  for (int d = threadIdx.x; d < kHeadDim; d += blockDim.x) {
-    float o = 0.f;
-    for (int g = 0; g < groups; ++g) o += exp2f(group_max[g] - base) * group_out[g][d];
-    store(dst + d, l_all == 0.f ? 0.f : o * (v_scale / l_all));
   }
 }
 
