@@ -16,6 +16,7 @@ baseline is built once; hd128 takes minutes per arch.  cuobjdump comes from the 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import hashlib
 import io
@@ -29,7 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path[1:1] = [str(REPO / "dev"), str(REPO / "scripts")]  # sass_histogram.py, wherever it lives
 from nvfp4_backend import jit  # noqa: E402
+import sass_histogram  # noqa: E402
 
 DECODE_SOURCES = ("paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu", "paged_decode_hd256.cu")
 ADDRESS = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*")
@@ -62,12 +65,16 @@ def build(cubin: Path, command: list[str]) -> Path:
     return cubin
 
 
+def sass_of(cubin: Path) -> str:
+    return subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
 def kernels(cubin: Path) -> dict[str, list[str]]:
     """Mangled kernel name -> its instructions (predicate, opcode, operands) without addresses, then its
     resource usage."""
     out: dict[str, list[str]] = {}
     name = None
-    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    sass = sass_of(cubin)
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
@@ -82,27 +89,46 @@ def kernels(cubin: Path) -> dict[str, list[str]]:
     return out
 
 
-def registers(instrs: list[str]) -> str:
+def resource(instrs: list[str], key: str) -> str:
     res = next((i for i in instrs if i.startswith("resources: ")), "")
-    m = re.search(r"REG:(\d+)", res)
+    m = re.search(key + r":(\d+)", res)
     return m.group(1) if m else "?"
 
 
-def compare(base: dict[str, list[str]], new: dict[str, list[str]]) -> list[tuple[str, str]]:
+def opcodes(instrs: list[str]) -> collections.Counter:
+    """How often each opcode occurs (predicate guards and modifiers dropped)."""
+    return collections.Counter(i.split()[1 if i.startswith("@") else 0].split(".")[0].rstrip(";")
+                               for i in instrs if not i.startswith("resources: "))
+
+
+def loop_summary(instrs: list[tuple[int, str, str]]) -> str:
+    """The innermost HMMA loop (sass_histogram.hot_loop): its length and local-memory traffic."""
+    body = sass_histogram.hot_loop(instrs)
+    local = sum(op.startswith(("LDL", "STL")) for _, op, _ in body)
+    return f"{len(body)} instructions, {local} local loads/stores"
+
+
+def compare(base: dict[str, list[str]], new: dict[str, list[str]], base_sass: str = "", new_sass: str = ""
+            ) -> list[tuple[str, str]]:
     rows = []
+    base_loops, new_loops = sass_histogram.kernels(base_sass), sass_histogram.kernels(new_sass)
     for name in sorted(base.keys() | new.keys()):
         if name not in new:
             rows.append((name, "only in base"))
         elif name not in base:
             rows.append((name, "only in new"))
         elif base[name] == new[name]:
-            rows.append((name, f"identical ({len(base[name]) - 1} instructions, {registers(base[name])} registers)"))
+            rows.append((name, f"identical ({len(base[name]) - 1} instructions, {resource(base[name], 'REG')} registers)"))
         else:
             a, b = base[name], new[name]
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            rows.append((name, f"DIFFERENT: {len(a) - 1} -> {len(b) - 1} instructions, registers {registers(a)} -> "
-                               f"{registers(b)}, first difference at instruction {first}: "
-                               f"{a[first] if first < len(a) else '-'!r} -> {b[first] if first < len(b) else '-'!r}"))
+            differing = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+            mix = "same instruction mix" if opcodes(a) == opcodes(b) else "instruction mix differs"
+            loops = ""
+            if name in base_loops and name in new_loops:
+                loops = f", HMMA loop {loop_summary(base_loops[name])} -> {loop_summary(new_loops[name])}"
+            rows.append((name, f"DIFFERENT: {len(a) - 1} -> {len(b) - 1} instructions ({differing} differ, {mix}), "
+                               f"registers {resource(a, 'REG')} -> {resource(b, 'REG')}, stack (spills) "
+                               f"{resource(a, 'STACK')} -> {resource(b, 'STACK')} bytes{loops}"))
     return rows
 
 
@@ -134,10 +160,11 @@ def main() -> int:
             different = 0
             for arch, source in jobs:
                 base, new = (builds[commands[side, arch, source][0]].result() for side in ("base", "new"))
-                base_kernels = kernels(base)
+                base_kernels, base_sass = kernels(base), sass_of(base)
                 for pattern, replacement in args.rename:
                     base_kernels = {re.sub(pattern, replacement, k): v for k, v in base_kernels.items()}
-                rows = compare(base_kernels, kernels(new))
+                    base_sass = re.sub(pattern, replacement, base_sass)
+                rows = compare(base_kernels, kernels(new), base_sass, sass_of(new))
                 print(f"sm_{arch} {source}: {len(rows)} kernels", flush=True)
                 for name, verdict in rows:
                     print(f"  {verdict:<48} {name}", flush=True)
