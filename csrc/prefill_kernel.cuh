@@ -17,7 +17,11 @@
 // order (0 4 2 6 1 5 3 7) in Q, K and V alike: Q.K does not depend on the order, and the epilogue puts
 // the output columns back.
 #pragma once
-#include "decode_kernel.cuh"  // the PTX wrappers, unpack_word and the scale table's entries
+#include "decode_config.cuh"      // the numerics shared with decode: kScaleBias, kWeightBiasLog2, scale2
+#include "decode_primitives.cuh"  // the PTX wrappers and unpack_word
+#include "e2m1.h"
+#include "half_types.cuh"
+#include "nvfp4_kernels.h"
 
 namespace nvfp4 {
 namespace prefill {
