@@ -5,7 +5,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
-#include "e2m1.h"
 #include "half_types.cuh"
 
 namespace nvfp4 {
@@ -131,13 +130,6 @@ struct Config {
                 "fused: a warp's own rows, 32-token steps, as many warps on each head");
   static_assert(kDataBytes % 32 == 0, "copies: a token's two threads take 16 bytes of each 32-byte sector");
 };
-
-// The scale table (Config::kLutOffset): E4M3 byte -> packed fp16 {scale, scale} * kScaleBias; read
-// after the barrier before the tile loop.
-template <class C>
-__device__ __forceinline__ void fill_scale_lut(uint32_t* scale_lut) {
-  for (int i = threadIdx.x; i < 256; i += C::kThreads) scale_lut[i] = scale2(e4m3_value(i));
-}
 
 }  // namespace decode
 }  // namespace nvfp4

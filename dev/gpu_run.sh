@@ -71,10 +71,10 @@ case $mode in
 esac
 case $mode in
   profile)  # Nsight Compute on the decode (64x8192, 128x512) and write kernels
-    ncu --set full -k regex:"paged_decode_(static|fused)_kernel|write_kv_kernel|merge_splits" -f -o "$OUT/profile" \
+    ncu --set full -k regex:"paged_decode_kernel|write_kv_kernel|merge_splits" -f -o "$OUT/profile" \
       python3 dev/profile_kernels.py 2>&1 | tail -3
     ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
-    grep -E "paged_decode_(static|fused)_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
+    grep -E "paged_decode_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
 esac
 case $mode in
   ab)  # the tree against the revisions in ab/ (dev/ab_export.sh; carry ["ab"]), each its own build,
