@@ -13,7 +13,7 @@ Per configuration it checks, on the chosen device:
     per request) of ``reference.paged_attention_ref`` in fp64 on the same bytes;
   * rows past the batch (padding) are left untouched;
   * a second identical call gives bit-identical output.
-On a GPU this exercises the CUDA kernels (split-KV, every tile path) and the dense extend path;
+On a GPU this exercises the CUDA kernels (split-KV, every tile path, the prefill kernel);
 on a CPU it exercises the validation and reference path, which is what CI can run.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
             q_lens.append(1)
         elif kind == "spec":
             q_lens.append(rng.randint(1, 8))
-        else:  # short extends: up to the decode kernel's rows, sometimes past them (dense path)
+        else:  # short extends: up to the decode kernel's rows, sometimes past them (the prefill kernel)
             q_lens.append(rng.randint(1, max(1, 2 * max_rows // group)))
     seq_lens = [rng.randint(min(q, longest), longest) if q <= longest else q for q in q_lens]
     seq_lens[0] = max(seq_lens[0], min(longest, max_context))  # one request at the drawn length
@@ -218,8 +218,9 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     ops.paged_attention(*args, out=out, **kw)
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
-    rec.update(path="kernel" if device.type == "cuda" and capabilities.decode_supports(cfg.group, max(cfg.q_lens), d)
-               else "dense", splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
+    path = "reference" if device.type != "cuda" else (
+        "decode" if capabilities.decode_supports(cfg.group, max(cfg.q_lens), d) else "decode+prefill")
+    rec.update(path=path, splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
     got = out[:rows]
     if not torch.isfinite(got).all():
         bad = torch.nonzero(~torch.isfinite(got).all(-1).all(-1)).flatten()[:5].tolist()
@@ -305,8 +306,8 @@ def run(args) -> int:
     print(f"{len(records)} configurations, {len(failures)} failures, {time.time() - t0:.0f} s; "
           f"worst relative error {max(errs, default=float('nan')):.2e}; "
           f"most of the error bound used {max(used, default=float('nan')):.2f}; "
-          f"paths: kernel {sum(r.get('path') == 'kernel' for r in records)}, "
-          f"dense {sum(r.get('path') == 'dense' for r in records)}; "
+          f"paths: decode kernel {sum(r.get('path') == 'decode' for r in records)}, "
+          f"with the prefill kernel {sum(r.get('path') == 'decode+prefill' for r in records)}; "
           f"split-KV {sum(r.get('splits', 1) > 1 for r in records)}")
     if failures:
         print(f"first failing seed: {failures[0]['seed']} (replay: nvfp4-backend fuzz --replay "
