@@ -38,13 +38,14 @@ from nvfp4_backend import format as fmt
 from nvfp4_backend.layout import KV_MODE_ENV, configured_kv_mode
 from nvfp4_backend.jit import decode_supports, kernels_available, unavailable_reason
 
-from . import BACKEND_NAME, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
+from . import BACKEND_NAME, CPU_PLATFORM_ENV, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
 
 HEAD_SIZES = list(fmt.SUPPORTED_HEAD_DIMS)
 BLOCK_SIZES = [16, 32, 64, 128]
 MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
 
-logger = init_logger(__name__)
+# Under vLLM's "vllm" logger: vLLM configures only that tree, so an INFO line elsewhere is dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 
 def kernel_max_query_len(group_size: int, head_size: int) -> int:
@@ -83,7 +84,10 @@ class Nvfp4XqaBackend(AttentionBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        return capability is not None and (capability.major, capability.minor) >= MIN_CAPABILITY
+        if capability is None:  # no CUDA device: only where nvfp4_vllm's CPU platform serves it
+            from .cpu_platform import cpu_path_active
+            return cpu_path_active()
+        return (capability.major, capability.minor) >= MIN_CAPABILITY
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -131,8 +135,10 @@ class Nvfp4XqaBackend(AttentionBackend):
             "kv_cache_dtype not supported": f"kv_cache_dtype {kv_cache_dtype!r} is not one of "
                                             f"{cls.supported_kv_cache_dtypes} (pass --kv-cache-dtype {KV_CACHE_DTYPE})",
             "block_size not supported": f"block_size {block_size} is not a multiple of one of {BLOCK_SIZES}",
-            "compute capability not supported": f"compute capability {device_capability} is below "
-                                                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}",
+            "compute capability not supported": (
+                f"compute capability {device_capability} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+                if device_capability is not None else
+                f"no CUDA device; on vLLM's CPU platform set {CPU_PLATFORM_ENV}=1 (nvfp4_vllm's CPU platform)"),
         }
         return [detail.get(r, r) for r in reasons]
 
