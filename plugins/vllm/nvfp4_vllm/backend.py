@@ -38,13 +38,14 @@ from nvfp4_backend import format as fmt
 from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_supports, kernels_available, unavailable_reason
 from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
-from . import BACKEND_NAME, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
+from . import BACKEND_NAME, CPU_PLATFORM_ENV, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
 
 HEAD_SIZES = list(SUPPORTED_HEAD_DIMS)
 BLOCK_SIZES = [16, 32, 64, 128]
 MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
 
-logger = init_logger(__name__)
+# Under vLLM's "vllm" logger: vLLM configures only that tree, so an INFO line elsewhere is dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 
 def kernel_max_query_len(group_size: int, head_size: int) -> int:
@@ -83,7 +84,10 @@ class Nvfp4XqaBackend(AttentionBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        return capability is not None and (capability.major, capability.minor) >= MIN_CAPABILITY
+        if capability is None:  # no CUDA device: only where nvfp4_vllm's CPU platform serves it
+            from .cpu_platform import cpu_path_active
+            return cpu_path_active()
+        return (capability.major, capability.minor) >= MIN_CAPABILITY
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -131,8 +135,10 @@ class Nvfp4XqaBackend(AttentionBackend):
             "kv_cache_dtype not supported": f"kv_cache_dtype {kv_cache_dtype!r} is not one of "
                                             f"{cls.supported_kv_cache_dtypes} (pass --kv-cache-dtype {KV_CACHE_DTYPE})",
             "block_size not supported": f"block_size {block_size} is not a multiple of one of {BLOCK_SIZES}",
-            "compute capability not supported": f"compute capability {device_capability} is below "
-                                                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}",
+            "compute capability not supported": (
+                f"compute capability {device_capability} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+                if device_capability is not None else
+                f"no CUDA device; on vLLM's CPU platform set {CPU_PLATFORM_ENV}=1 (nvfp4_vllm's CPU platform)"),
         }
         return [detail.get(r, r) for r in reasons]
 
@@ -194,7 +200,8 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # Only the CUDA decode kernel is capturable; spec-decode rows beyond it take the dense path.
+        # FULL graphs for uniform batches the decode kernel holds.  Longer spec rows would run on the prefill
+        # kernel, which captures too (tests/gpu/test_extend.py) but is not yet checked under vLLM's FULL graphs.
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         group = heads // kv_cache_spec.num_kv_heads
         if decode_supports(group, max_decode_query_len(vllm_config), kv_cache_spec.head_size):
@@ -205,7 +212,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
 
     def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> planner.AttentionPlan:
         if not decode_supports(self.group_size, max_query_len, self.head_size):
-            return planner.AttentionPlan(num_splits=1, workspace_bytes=0)  # dense path: no split-KV
+            return planner.AttentionPlan(num_splits=1, workspace_bytes=0)  # the prefill kernel needs no plan
         return planner.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
                                       self.head_size, self.num_sms, token_major=self.token_major, device=self.device)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 
 import pytest
@@ -55,9 +56,11 @@ def cuda_or_skip(device: str) -> None:
 _layer_ids = itertools.count()
 
 
-def make_layer(config, num_heads: int = 8, num_kv_heads: int = 2, head_size: int = 128, **kwargs):
+def make_layer(config, num_heads: int = 8, num_kv_heads: int = 2, head_size: int = 128,
+               selected_by_vllm: bool = False, **kwargs):
     """A real vLLM ``Attention`` layer on this backend: it builds the impl with vLLM's own
-    arguments, holds the ``_k_scale``/``_v_scale`` tensors and registers in the forward context."""
+    arguments, holds the ``_k_scale``/``_v_scale`` tensors and registers in the forward context.
+    ``selected_by_vllm``: the backend vLLM's selector and current platform pick for ``config``."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -66,4 +69,16 @@ def make_layer(config, num_heads: int = 8, num_kv_heads: int = 2, head_size: int
     with set_current_vllm_config(config):
         return Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads=num_kv_heads,
                          cache_config=config.cache_config, prefix=f"model.layers.{next(_layer_ids)}.attn",
-                         attn_backend=Nvfp4XqaBackend, **kwargs)
+                         attn_backend=None if selected_by_vllm else Nvfp4XqaBackend, **kwargs)
+
+
+@pytest.fixture
+def vllm_log(caplog):
+    """caplog on vLLM's "vllm" logger, which does not propagate to the root logger caplog watches."""
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.INFO)
+    try:
+        yield caplog
+    finally:
+        vllm_logger.removeHandler(caplog.handler)

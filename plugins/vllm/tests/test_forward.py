@@ -309,7 +309,7 @@ def test_builder_splits_mixed_batch(make_config):
     assert p.seq_lens.tolist() == step.seq_lens[2:] and torch.equal(p.block_table, cm.block_table_tensor[2:])
     assert (d.max_query_len, p.max_query_len) == (1, 64)
     assert d.plan == planner.plan_attention(2, 2, 4, 1, cm.max_seq_len, 128)
-    assert p.plan.num_splits == 1  # 64 rows x group 4 is past the decode kernel: dense path
+    assert p.plan.num_splits == 1  # the unsplit default: the prefill kernel takes the rows past the decode kernel
     assert md.slot_mapping is cm.slot_mapping and md.num_actual_tokens == cm.num_actual_tokens
     # graphs are captured once and replayed for any length: plan for the longest
     captured = builder.build_for_cudagraph_capture(Step(BATCHES["decode"], 16, "cpu", torch.Generator()).metadata())

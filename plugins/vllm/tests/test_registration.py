@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import importlib.metadata
-import logging
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 import vllm.plugins
@@ -32,6 +35,29 @@ def test_load_general_plugins_registers_backend(monkeypatch):
     assert AttentionBackendEnum["NVFP4_XQA"].get_class() is Nvfp4XqaBackend
 
 
+def test_nvfp4_xqa_is_another_name_of_custom():
+    # So a config selecting it holds (and pickles as) the static CUSTOM member.
+    assert AttentionBackendEnum["NVFP4_XQA"] is AttentionBackendEnum.CUSTOM
+    assert pickle.loads(pickle.dumps(AttentionBackendEnum["NVFP4_XQA"])) is AttentionBackendEnum.CUSTOM
+
+
+def run_python(code: str, stdin: bytes = b"", **env) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter: a process where no plugin has run yet."""
+    return subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_nvfp4_xqa_config_unpickles_in_a_process_without_plugins():
+    # What a spawned engine core or worker does first: unpickle its config, before it loads
+    # plugins (VLLM_PLUGINS="" loads none at all).  A member added at run time would not exist there.
+    from vllm.config import AttentionConfig
+    config = pickle.dumps(AttentionConfig(backend="nvfp4_xqa"))
+    child = run_python("import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()).backend.name)",
+                       stdin=config, VLLM_PLUGINS="")
+    assert child.returncode == 0, child.stderr.decode()[-3000:]
+    assert child.stdout.decode().split() == ["CUSTOM"]
+
+
 def test_register_is_idempotent():
     before = list(AttentionBackendEnum.__members__)
     for _ in range(3):
@@ -53,17 +79,32 @@ def test_register_fails_loudly_on_incompatible_vllm(monkeypatch):
 
 
 def test_register_refuses_name_taken_by_another_class(monkeypatch):
+    # CUSTOM (which NVFP4_XQA names) re-registered to another class after this plugin took it.
     monkeypatch.setitem(registry._ATTN_OVERRIDES, AttentionBackendEnum["NVFP4_XQA"], "other.pkg.Backend")
     with pytest.raises(nvfp4_vllm.IncompatibleVllmError, match="other.pkg.Backend"):
         nvfp4_vllm.register()
 
 
-def test_register_leaves_custom_owned_by_another_plugin(monkeypatch, caplog):
-    monkeypatch.setitem(registry._ATTN_OVERRIDES, AttentionBackendEnum.CUSTOM, "other.pkg.Backend")
-    with caplog.at_level(logging.WARNING, logger="nvfp4_vllm"):
-        nvfp4_vllm.register()
-    assert registry._ATTN_OVERRIDES[AttentionBackendEnum.CUSTOM] == "other.pkg.Backend"
-    assert "nvfp4_xqa" in caplog.text
+def test_register_refuses_nvfp4_xqa_registered_first_by_another_plugin():
+    child = run_python(
+        "from vllm.v1.attention.backends.registry import register_backend\n"
+        "register_backend('NVFP4_XQA', 'other.pkg.Backend')\n"
+        "import nvfp4_vllm; nvfp4_vllm.register()")
+    assert child.returncode != 0
+    assert "NVFP4_XQA is already registered to other.pkg.Backend" in child.stderr.decode()
+
+
+def test_register_leaves_custom_owned_by_another_plugin():
+    # A fresh process, so that CUSTOM is another plugin's before this one first registers.
+    child = run_python(
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend\n"
+        "register_backend(E.CUSTOM, 'other.pkg.Backend')\n"
+        "import nvfp4_vllm; nvfp4_vllm.register()\n"
+        "print('RESULT', E.CUSTOM.get_path(), E['NVFP4_XQA'].get_path(), E['NVFP4_XQA'] is E.CUSTOM)")
+    out = child.stdout.decode() + child.stderr.decode()
+    assert child.returncode == 0, out[-3000:]
+    assert f"RESULT other.pkg.Backend {nvfp4_vllm.BACKEND_CLASS_PATH} False" in out
+    assert "CUSTOM is already registered to other.pkg.Backend; use --attention-backend nvfp4_xqa" in out
 
 
 @pytest.mark.parametrize("flag", ["CUSTOM", "nvfp4_xqa", "NVFP4_XQA"])
