@@ -56,8 +56,10 @@ void check_rows_aligned(const Tensor& t, const char* name) {
             "got a data pointer ", pointer_offset, " bytes past a 16-byte boundary and strides ", t.strides());
 }
 
-void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
-                 const at::Device& device) {
+// Device, dtype and shapes of the four cache views, K's and V's strides equal: what every kernel that
+// reads the cache relies on (the alignment each one needs comes on top).
+void check_cache_shapes(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
+                        const at::Device& device) {
   for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
     CHECK_ARG(t->device() == device, "cache tensors must be on ", device, ", got ", t->device());
     CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
@@ -76,6 +78,12 @@ void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
             v_sf.sizes());
   CHECK_ARG(k_data.strides() == v_data.strides(), "k_data and v_data must have identical strides");
   CHECK_ARG(k_sf.strides() == v_sf.strides(), "k_block_scales and v_block_scales must have identical strides");
+}
+
+// check_cache_shapes, plus what the writer and the decode kernel need: 16-byte data rows, 32-bit offsets.
+void check_cache(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
+                 const at::Device& device) {
+  check_cache_shapes(k_data, k_sf, v_data, v_sf, device);
   const int64_t scale_bytes = k_sf.size(3);
   for (int d = 0; d < 3; ++d) {
     CHECK_ARG(k_data.stride(d) % 16 == 0, "k_data strides must be multiples of 16 bytes, got ", k_data.strides());
@@ -209,18 +217,10 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
                    c10::string_view rotation) {
   CHECK_CUDA(q);
   const c10::cuda::CUDAGuard guard(q.device());
-  // lighter than check_cache: 4-byte pieces of data rows (16-byte ones where every row allows them),
-  // whole scale rows, any page size: every layout, vLLM's inline pages of any shape included
-  for (const Tensor* t : {&k_data, &k_sf, &v_data, &v_sf}) {
-    CHECK_ARG(t->device() == q.device(), "cache tensors must be on ", q.device(), ", got ", t->device());
-    CHECK_ARG(t->scalar_type() == at::kByte && t->dim() == 4 && t->stride(3) == 1,
-              "cache tensors must be 4-D uint8 with a contiguous last dimension");
-  }
-  CHECK_ARG(v_data.sizes() == k_data.sizes() && k_sf.sizes() == v_sf.sizes() && k_sf.size(3) * 8 == k_data.size(3) &&
-                k_sf.size(0) == k_data.size(0) && k_sf.size(1) == k_data.size(1) && k_sf.size(2) == k_data.size(2),
-            "the cache tensors' shapes disagree: k_data ", k_data.sizes(), ", k_block_scales ", k_sf.sizes());
-  CHECK_ARG(k_data.strides() == v_data.strides() && k_sf.strides() == v_sf.strides(),
-            "K and V cache tensors must have identical strides");
+  // lighter alignment than check_cache: 4-byte pieces of data rows (16-byte ones where every row
+  // allows them), whole scale rows, any page size, 64-bit offsets: every layout, vLLM's inline pages
+  // of any shape included
+  check_cache_shapes(k_data, k_sf, v_data, v_sf, q.device());
   const int64_t scale_bytes = k_sf.size(3);
   for (const Tensor* t : {&k_data, &v_data})
     CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 &&
@@ -232,9 +232,8 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
               "block-scale pointers and strides must be multiples of ", scale_bytes, " bytes, got strides ", t->strides());
   check_attention_io(out, q, block_table, seq_lens, query_start_loc);
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
-  CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256, "paged_prefill takes head_dim 64, 128 or 256, got ",
-            head_dim);
-  const int rows = nvfp4::prefill_rows(head_dim);
+  const int rows = nvfp4::prefill_rows(head_dim);  // 0: a head dim the kernel is not built for
+  CHECK_ARG(rows > 0, "paged_prefill takes head_dim 64, 128 or 256, got ", head_dim);
   CHECK_ARG(group >= 1 && group <= rows && group * num_kv_heads == q.size(1), "q's ", q.size(1),
             " heads must be a multiple (at most ", rows, "x at head_dim ", head_dim, ") of the cache's ", num_kv_heads,
             " kv heads");

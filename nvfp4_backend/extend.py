@@ -14,6 +14,14 @@ import torch
 from . import capabilities
 
 
+def decode_share(max_query_len: int, group_size: int, head_dim: int, decode_query_len: int) -> int:
+    """The longest query the decode kernel serves in a call: at most the call's longest and what one
+    block holds at this group (``capabilities.decode_query_len``), and at most ``decode_query_len``
+    (the plan's) where that is not -1.  Requests longer than it take the prefill kernel."""
+    longest = min(max_query_len, capabilities.decode_query_len(group_size, head_dim))
+    return longest if decode_query_len < 0 else min(longest, decode_query_len)
+
+
 def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens,
                       query_start_loc, k_global_scale, v_global_scale, softmax_scale: float, sliding_window: int,
                       logits_soft_cap: float, sinks, max_query_len: int, num_splits: int, workspace: torch.Tensor,
@@ -23,9 +31,7 @@ def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, bl
     goes to the prefill kernel."""
     from . import jit
     kernels = jit.load(q.device)
-    decode_len = min(max_query_len, capabilities.decode_query_len(q.shape[1] // k_data.shape[2], q.shape[2]))
-    if decode_query_len >= 0:
-        decode_len = min(decode_len, decode_query_len)
+    decode_len = decode_share(max_query_len, q.shape[1] // k_data.shape[2], q.shape[2], decode_query_len)
     if not capabilities.decode_kernel_serves(k_data, k_block_scales, v_data):
         decode_len = 0
     if decode_len > 0:  # longer requests' first rows too, which the prefill kernel then overwrites

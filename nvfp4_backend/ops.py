@@ -16,7 +16,7 @@ import torch
 
 from . import capabilities, planner, reference
 from . import format as fmt
-from .extend import attend_on_kernels
+from .extend import attend_on_kernels, decode_share
 from .layout import PagedKVCache
 from .planner import AttentionPlan
 
@@ -182,9 +182,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     if q.shape[1] % cache.num_kv_heads:
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {cache.num_kv_heads} kv heads")
     group = q.shape[1] // cache.num_kv_heads
-    if dev.type == "cuda" and cache.head_dim in capabilities.SUPPORTED_HEAD_DIMS and group > capabilities.prefill_rows(cache.head_dim):
-        raise ValueError(f"q has {group} q heads per kv head: the kernels take at most "
-                         f"{capabilities.prefill_rows(cache.head_dim)} at head_dim {cache.head_dim}")
+    most = capabilities.prefill_rows(cache.head_dim)  # 0: a head dim the kernels are not built for
+    if dev.type == "cuda" and 0 < most < group:
+        raise ValueError(f"q has {group} q heads per kv head: the kernels take at most {most} at head_dim "
+                         f"{cache.head_dim}")
     if q.stride(-1) != 1:
         raise ValueError(f"q must be contiguous in its last dimension, got strides {q.stride()}")
     _check_tensor("block_table", block_table, (torch.int32,), 2, dev)
@@ -228,9 +229,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
                                      seq_lens_cpu, max_query_len, plan)
     if not 1 <= plan.num_splits <= capabilities.MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {capabilities.MAX_SPLITS}], got {plan.num_splits}")
-    decode_len = min(max_query_len, capabilities.decode_query_len(group, cache.head_dim))
-    if plan.decode_query_len is not None:
-        decode_len = min(plan.decode_query_len, decode_len)
+    decode_len = decode_share(max_query_len, group, cache.head_dim,
+                              -1 if plan.decode_query_len is None else plan.decode_query_len)
     if decode_len > 0:  # no decode rows at all: the plan is not used
         planner.check_heads_per_block("plan.heads_per_block", group, decode_len, plan.heads_per_block,
                                       cache.head_dim, plan.fused)
@@ -269,11 +269,11 @@ def _step_plan(batch, cache, group, query_start_loc, seq_lens, query_start_loc_c
         plan = planner.plan_attention(batch, cache.num_kv_heads, group, max(max_query_len, 1), max_seq_len,
                                       cache.head_dim, planner.num_sms(cache.device), token_major=cache.token_major,
                                       device=cache.device, query_lens=query_lens)
-    elif plan.decode_query_len is not None and not (
-            isinstance(plan.decode_query_len, int) and 0 <= plan.decode_query_len <= capabilities.decode_query_len(
-                group, cache.head_dim)):
-        raise ValueError(f"plan.decode_query_len must be an int in [0, {capabilities.decode_query_len(group, cache.head_dim)}],"
-                         f" got {plan.decode_query_len!r}")
+    else:
+        limit = capabilities.decode_query_len(group, cache.head_dim)
+        if plan.decode_query_len is not None and not (isinstance(plan.decode_query_len, int)
+                                                      and 0 <= plan.decode_query_len <= limit):
+            raise ValueError(f"plan.decode_query_len must be an int in [0, {limit}], got {plan.decode_query_len!r}")
     return max_query_len, plan
 
 

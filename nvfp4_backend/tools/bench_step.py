@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from .. import ops, planner, reference
-from .bench import _meta, _rel_err, load_flashinfer
+from .bench import _meta, _rel_err, load_flashinfer, random_nvfp4_cache
 from .timing import time_graph
-from ..layout import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -107,11 +106,7 @@ def make_step(mix: Mix, device, gen) -> Step:
 def ours(step: Step, device, gen):
     """(the step's call, its output, a check of the last chunk's rows against the fp64 reference)."""
     mix = step.mix
-    cache = PagedKVCache.allocate(step.num_pages, PAGE_SIZE, mix.kv_heads, mix.head_dim, "HND", device)
-    for t in cache.tensors():
-        t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.uint8))
-    for t in (cache.k_block_scales, cache.v_block_scales):
-        t.copy_(torch.randint(0x28, 0x48, t.shape, generator=gen, device=device, dtype=torch.uint8))
+    cache = random_nvfp4_cache(step.num_pages, PAGE_SIZE, mix.kv_heads, mix.head_dim, "HND", device, gen)
     kg, vg = torch.tensor(0.02, device=device), torch.tensor(0.03, device=device)
     sinks = torch.randn(mix.q_heads, generator=gen, device=device) if mix.sinks else None
     scale = 1 / math.sqrt(mix.head_dim)

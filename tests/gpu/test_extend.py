@@ -10,18 +10,13 @@ import pytest
 import torch
 
 from gpu_cases import LAYOUTS, fill_random, make_batch, make_cache, rel_l2
+from kernel_checks import DEV, TOL, scales
 from nvfp4_backend import capabilities, jit, ops, planner, reference
 from nvfp4_backend import format as fmt
 from nvfp4_backend.layout import PagedKVCache
 from nvfp4_backend.modes import KVMode
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEV = "cuda"
-TOL = 4e-3  # relative L2 vs the fp64 reference on the same dequantized cache
-
-
-def _scales(gen):
-    return [torch.tensor(float(torch.empty(()).uniform_(0.05, 4.0, generator=gen)), device=DEV) for _ in range(2)]
+pytestmark = pytest.mark.gpu
 
 
 def _run(gen, layout, head_dim, group, dtype, seq_lens, q_lens, page_size=16, num_kv_heads=2, window=None,
@@ -32,7 +27,7 @@ def _run(gen, layout, head_dim, group, dtype, seq_lens, q_lens, page_size=16, nu
     fill_random(cache, gen)
     cache = PagedKVCache(*cache.tensors(), mode=mode)
     batch = make_batch(seq_lens, q_lens, num_kv_heads * group, head_dim, page_size, pages, dtype, gen, DEV)
-    kg, vg = _scales(gen)
+    kg, vg = scales(gen)
     sink_t = torch.randn(num_kv_heads * group, generator=gen).to(DEV) if sinks else None
     # rows of no request before and after the batch's (query_start_loc starts past 0)
     stray = lambda n: torch.randn(n, *batch.q.shape[1:], generator=gen).to(dtype).to(DEV)
@@ -167,7 +162,7 @@ def test_mixed_batch_graph_replays_bit_equal_with_new_lengths(planned_by_lengths
     (planned from the step's query lengths, the decode kernel serves up to 2 tokens, the prefill
     kernel the rest)."""
     cache, batch = _mixed_step(gen)
-    kg, vg = _scales(gen)
+    kg, vg = scales(gen)
     max_q, max_len = 600, 1600
     lens = dict(query_lens=[1, 1, 1, 2, 600, 300]) if planned_by_lengths else {}
     plan = planner.plan_attention(6, 2, 4, max_q, max_len, 128, device=torch.device(DEV), **lens)
@@ -211,7 +206,7 @@ def test_mixed_batch_graph_replays_bit_equal_with_new_lengths(planned_by_lengths
 def test_no_host_synchronization(gen):
     """With max_query_len, a plan, a workspace and out given, a mixed call never synchronizes."""
     cache, batch = _mixed_step(gen)
-    kg, vg = _scales(gen)
+    kg, vg = scales(gen)
     plan = planner.plan_attention(6, 2, 4, 600, 1500, 128, device=torch.device(DEV))
     ws = plan.allocate_workspace(DEV)
     out = torch.empty_like(batch.q)
@@ -231,7 +226,7 @@ def test_no_host_synchronization(gen):
 def test_prefill_binding_rejects_bad_arguments(gen):
     cache, batch = _mixed_step(gen)
     kernels = jit.load(torch.device(DEV))
-    kg, vg = _scales(gen)
+    kg, vg = scales(gen)
     out = torch.full_like(batch.q, float("nan"))
     args = (batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.1, 0, 0.0, None, 1, "none")
     with pytest.raises(RuntimeError, match="paged_prefill takes head_dim 64, 128 or 256"):
