@@ -198,6 +198,23 @@ void write_kv(const Tensor& key, const Tensor& value, const Tensor& slot_mapping
   CHECK_ARG(err == cudaSuccess, "nvfp4 write_kv launch failed: ", cudaGetErrorString(err));
 }
 
+// check_cache_shapes with the lighter alignment the prefill kernel and the dequantizer need: 4-byte
+// pieces of data rows, whole scale rows, any page size, 64-bit offsets: every layout, vLLM's inline
+// pages of any shape included
+void check_cache_pieces(const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data, const Tensor& v_sf,
+                        const at::Device& device, const char* op) {
+  check_cache_shapes(k_data, k_sf, v_data, v_sf, device);
+  const int64_t scale_bytes = k_sf.size(3);
+  for (const Tensor* t : {&k_data, &v_data})
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 &&
+                  t->stride(2) % 4 == 0,
+              op, " reads cache data in 4-byte pieces: pointers and strides must be multiples of 4");
+  for (const Tensor* t : {&k_sf, &v_sf})
+    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0 && t->stride(0) % scale_bytes == 0 &&
+                  t->stride(1) % scale_bytes == 0 && t->stride(2) % scale_bytes == 0,
+              "block-scale pointers and strides must be multiples of ", scale_bytes, " bytes, got strides ", t->strides());
+}
+
 // Checks shared by the attention ops: q and out rows, the index tensors.
 void check_attention_io(const Tensor& out, const Tensor& q, const Tensor& block_table, const Tensor& seq_lens,
                         const Tensor& query_start_loc) {
@@ -217,19 +234,7 @@ void paged_prefill(Tensor& out, const Tensor& q, const Tensor& k_data, const Ten
                    c10::string_view rotation) {
   CHECK_CUDA(q);
   const c10::cuda::CUDAGuard guard(q.device());
-  // lighter alignment than check_cache: 4-byte pieces of data rows (16-byte ones where every row
-  // allows them), whole scale rows, any page size, 64-bit offsets: every layout, vLLM's inline pages
-  // of any shape included
-  check_cache_shapes(k_data, k_sf, v_data, v_sf, q.device());
-  const int64_t scale_bytes = k_sf.size(3);
-  for (const Tensor* t : {&k_data, &v_data})
-    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 &&
-                  t->stride(2) % 4 == 0,
-              "paged_prefill reads cache data in 4-byte pieces: pointers and strides must be multiples of 4");
-  for (const Tensor* t : {&k_sf, &v_sf})
-    CHECK_ARG(reinterpret_cast<uintptr_t>(t->data_ptr()) % scale_bytes == 0 && t->stride(0) % scale_bytes == 0 &&
-                  t->stride(1) % scale_bytes == 0 && t->stride(2) % scale_bytes == 0,
-              "block-scale pointers and strides must be multiples of ", scale_bytes, " bytes, got strides ", t->strides());
+  check_cache_pieces(k_data, k_sf, v_data, v_sf, q.device(), "paged_prefill");
   check_attention_io(out, q, block_table, seq_lens, query_start_loc);
   const int head_dim = q.size(2), num_kv_heads = k_data.size(2), group = q.size(1) / num_kv_heads;
   const int rows = nvfp4::prefill_rows(head_dim);  // 0: a head dim the kernel is not built for
@@ -321,6 +326,53 @@ void paged_attention(Tensor& out, const Tensor& q, const Tensor& k_data, const T
   CHECK_ARG(err == cudaSuccess, "nvfp4 paged_attention launch failed: ", cudaGetErrorString(err));
 }
 
+// The segments of a prefill plan, dequantized into k_out / v_out ([rows, kv heads, head_dim], the rows
+// the plan's segment table covers).  segments: int32 [3, num_segments + 1]: each segment's first
+// workspace row (then the total), its request and its first cache position.
+void dequantize_kv(Tensor& k_out, Tensor& v_out, const Tensor& k_data, const Tensor& k_sf, const Tensor& v_data,
+                   const Tensor& v_sf, const Tensor& block_table, const Tensor& segments, const Tensor& k_global,
+                   const Tensor& v_global) {
+  CHECK_CUDA(k_out);
+  const c10::cuda::CUDAGuard guard(k_out.device());
+  check_cache_pieces(k_data, k_sf, v_data, v_sf, k_out.device(), "dequantize_kv");
+  const int64_t num_kv_heads = k_data.size(2), head_dim = k_data.size(3) * 2;
+  for (const Tensor* t : {&k_out, &v_out})
+    CHECK_ARG(t->device() == k_out.device() && t->dim() == 3 && t->size(1) == num_kv_heads && t->size(2) == head_dim &&
+                  t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+              "k_out and v_out must be contiguous, 16-byte aligned [rows, ", num_kv_heads, ", ", head_dim, "], got ",
+              t->sizes());
+  CHECK_ARG(v_out.sizes() == k_out.sizes() && v_out.scalar_type() == k_out.scalar_type(), "v_out must match k_out");
+  CHECK_ARG(k_out.size(0) < (int64_t(1) << 31), "dequantize_kv takes fewer than 2^31 rows, got ", k_out.size(0));
+  CHECK_ARG(segments.device() == k_out.device() && segments.scalar_type() == at::kInt && segments.dim() == 2 &&
+                segments.size(0) == 3 && segments.size(1) >= 1 && segments.is_contiguous(),
+            "segments must be a contiguous int32 [3, num_segments + 1] tensor on ", k_out.device(), ", got ",
+            segments.sizes());
+  CHECK_ARG(block_table.device() == k_out.device() && block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                block_table.stride(1) == 1,
+            "block_table must be int32 [batch, max_pages] with contiguous rows");
+  nvfp4::DequantizeKVParams p{};
+  set_cache(p, k_data, k_sf, v_data, v_sf);
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  const int* table = segments.data_ptr<int>();
+  const int64_t width = segments.size(1);
+  p.segment_rows = table;
+  p.segment_request = table + width;
+  p.segment_position = table + 2 * width;
+  p.num_segments = static_cast<int>(width - 1);
+  p.k_global_scale = k_global.data_ptr<float>();
+  p.v_global_scale = v_global.data_ptr<float>();
+  p.k_out = k_out.data_ptr();
+  p.v_out = v_out.data_ptr();
+  p.num_rows = static_cast<int>(k_out.size(0));
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.head_dim = static_cast<int>(head_dim);
+  p.page_size = static_cast<int>(k_data.size(1));
+  p.dtype = query_type(k_out, "k_out");
+  const cudaError_t err = nvfp4::launch_dequantize_kv(p, c10::cuda::getCurrentCUDAStream(k_out.device().index()));
+  CHECK_ARG(err == cudaSuccess, "nvfp4 dequantize_kv launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_backend_C, m) {
@@ -336,10 +388,14 @@ TORCH_LIBRARY(nvfp4_backend_C, m) {
         "Tensor v_block_scales, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
         "Tensor k_global_scale, Tensor v_global_scale, float softmax_scale, int sliding_window, "
         "float logits_soft_cap, Tensor? sinks, int min_query_len, str rotation) -> ()");
+  m.def("dequantize_kv(Tensor(a!) k_out, Tensor(b!) v_out, Tensor k_data, Tensor k_block_scales, Tensor v_data, "
+        "Tensor v_block_scales, Tensor block_table, Tensor segments, Tensor k_global_scale, Tensor v_global_scale) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_backend_C, CUDA, m) {
   m.impl("write_kv", &write_kv);
   m.impl("paged_prefill", &paged_prefill);
   m.impl("paged_attention", &paged_attention);
+  m.impl("dequantize_kv", &dequantize_kv);
 }

@@ -98,9 +98,28 @@ struct PrefillParams {
   float hadamard_scale;
 };
 
+//! \brief The KV ranges a prefill step reads, dequantized into a 16-bit ragged workspace (K and V rows of
+//! [num_kv_heads, head_dim]) for a dense attention kernel: one launch for every segment of the step.
+struct DequantizeKVParams {
+  const uint8_t* k_data; const uint8_t* v_data;
+  const uint8_t* k_block_scales; const uint8_t* v_block_scales;
+  PageStrides data_strides, scale_strides;
+  const int* block_table; int64_t block_table_stride;   // [batch, max_pages] page indices
+  // the plan's segment table: segment s fills workspace rows [segment_rows[s], segment_rows[s + 1])
+  // with request segment_request[s]'s cache positions from segment_position[s] on
+  const int* segment_rows;      // [num_segments + 1], rising from 0 to num_rows
+  const int* segment_request;   // [num_segments] block_table rows
+  const int* segment_position;  // [num_segments]
+  const float* k_global_scale; const float* v_global_scale;
+  void* k_out; void* v_out;     // [num_rows, num_kv_heads, head_dim] fp16/bf16, contiguous
+  int num_segments, num_rows, num_kv_heads, head_dim, page_size;
+  QueryType dtype;
+};
+
 cudaError_t launch_write_kv(const WriteKVParams& p, cudaStream_t stream);
 cudaError_t launch_paged_decode(const DecodeParams& p, cudaStream_t stream);
 cudaError_t launch_paged_prefill(const PrefillParams& p, cudaStream_t stream);
+cudaError_t launch_dequantize_kv(const DequantizeKVParams& p, cudaStream_t stream);
 //! Packed query rows (tokens x group size) one prefill thread block holds at a head dim: 128 up to
 //! D 128 (two m16 row tiles per warp), 64 at D 256 (one).  The largest group it serves.
 constexpr int prefill_rows(int head_dim) {

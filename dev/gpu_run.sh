@@ -16,6 +16,12 @@ for wheels in .whl-fi .whl-fi-slim; do
     break
   fi
 done
+# the dense prefill's FA3 modules (FlashInfer builds each on first use): side by side, in the background,
+# while the kernels build and the other tests run; the dense mode waits for them
+if [[ $modes == *dense* || $modes == *step* ]] && python3 -c "import flashinfer" 2>/dev/null; then
+  FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py > "$OUT/prebuild_flashinfer.log" 2>&1 &
+  prebuild=$!
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
@@ -24,7 +30,25 @@ echo "build: $(( $(date +%s) - t0 )) s"
 for mode in ${modes//,/ }; do
 echo "== $mode ($(date -u +%T))"
 case $mode in
-  tests|all|final) python3 -m pytest -q --maxfail=20 tests/gpu tests/test_eval.py::test_gpu_kernel_path_agrees_with_reference_path -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  tests|all|final) python3 -m pytest -q --maxfail=20 tests/gpu tests/test_eval.py::test_gpu_kernel_path_agrees_with_reference_path -rs \
+                     ${prebuild:+--deselect tests/gpu/test_dense.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+esac
+case $mode in
+  dense|step) [ -z "$prebuild" ] || { wait $prebuild; cat "$OUT/prebuild_flashinfer.log"; prebuild=; } ;;
+esac
+case $mode in
+  dense)  # issue 34: the dense prefill path's tests, then --prefill (plain rows with FlashInfer BF16 and NVFP4,
+          # the feature rows with BF16)
+    python3 -m pytest -q tests/gpu/test_dense.py -rs 2>&1 | tee "$OUT/gpu_dense_tests.log" | tail -15
+    python3 -m nvfp4_backend.tools.cli bench --prefill ${PREFILL_GRID:-1x0x4096,1x12288x4096,8x2048x512,4x0x16384} \
+      --peer-kv bf16,nvfp4 --page-sizes 16 --iters ${ITERS:-10} --out "$OUT/bench_prefill.json" 2>&1 \
+      | grep -v "INFO" | tee "$OUT/bench_prefill.log" | tail -14
+    python3 -m nvfp4_backend.tools.cli bench --prefill ${PREFILL_FEATURES:-1x0x16384,1x0x16384:w4096+sinks,4x0x4096,4x0x4096:cap50} \
+      --peer-kv bf16 --page-sizes 16 --iters ${ITERS:-10} --out "$OUT/bench_prefill_features.json" 2>&1 \
+      | grep -v "INFO" | tee "$OUT/bench_prefill_features.log" | tail -12 ;;
+  step)  # issue 34: the engine-step mixes, ours (prefill kernel in graphs, dense path eagerly) and FlashInfer's
+    python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} --iters ${ITERS:-10} --out "$OUT/bench_step.json" 2>&1 \
+      | grep -v "INFO" | tee "$OUT/bench_step.log" | tail -12 ;;
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.tools.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \

@@ -24,7 +24,7 @@ from . import capabilities
 
 KERNEL_SOURCES = ("write_kv.cu", "paged_decode.cu", "paged_decode_hd64.cu", "paged_decode_hd128.cu",
                   "paged_decode_hd256.cu", "decode_limits.cu", "paged_prefill.cu", "paged_prefill_hd64.cu",
-                  "paged_prefill_hd128.cu", "paged_prefill_hd256.cu")
+                  "paged_prefill_hd128.cu", "paged_prefill_hd256.cu", "dequantize_kv.cu")
 BINDING_SOURCE = "binding.cpp"
 LIMITS_HEADER = "nvfp4_limits.h"
 """The generated header of capabilities' limits that csrc/ includes (``limits_header``)."""

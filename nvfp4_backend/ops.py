@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import capabilities, planner, reference
+from . import capabilities, dense_prefill, planner, reference
 from . import format as fmt
 from .extend import attend_on_kernels, decode_share
 from .layout import PagedKVCache
@@ -68,7 +68,7 @@ def _check_global_scale(name: str, t, device: torch.device) -> torch.Tensor:
     if isinstance(t, (int, float)) and not isinstance(t, bool):
         if not (t > 0 and math.isfinite(t)):
             raise ValueError(f"{name} must be a positive finite number, got {t}")
-        return torch.tensor(float(t), dtype=torch.float32, device=device)
+        return torch.full((), float(t), dtype=torch.float32, device=device)  # a fill kernel: no copy, no sync
     _check_tensor(name, t, (torch.float32,), device=device)
     if t.numel() != 1:
         raise ValueError(f"{name} must hold one fp32 value, got shape {tuple(t.shape)}")
@@ -242,12 +242,43 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
     elif plan.num_splits > 1 and workspace.data_ptr() % 16:
         raise ValueError("workspace must be 16-byte aligned (the kernel's merge reads it in 16-byte pieces)")
-    # a rotated cache (k H, v H): q H in and the output (P V H) rotated back, inside the kernel
-    torch.ops.nvfp4_backend.paged_attention(
-        out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
-        float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
-        plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, decode_len)
+    dense = _dense_plan(plan, q, cache, softmax_scale, sliding_window, logits_soft_cap)
+    if dense is not None:  # the decode kernel serves the short requests, the dense path the rest
+        max_query_len = min(max_query_len, dense.decode_len)
+    if dense is None or not dense.covers_all:
+        # a rotated cache (k H, v H): q H in and the output (P V H) rotated back, inside the kernel
+        torch.ops.nvfp4_backend.paged_attention(
+            out, q, *cache.tensors(), block_table, seq_lens, query_start_loc, kg, vg,
+            float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
+            plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, decode_len)
+    if dense is not None:
+        dense_prefill.run(dense, out, q, cache, block_table, kg, vg, sinks, _on_host(k_global_scale))
     return out
+
+
+def _on_host(scale) -> float | None:
+    """A global scale's value where reading it costs no synchronization (a number or a CPU tensor)."""
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    return float(scale) if scale.device.type == "cpu" else None
+
+
+def _dense_plan(plan: AttentionPlan, q, cache, softmax_scale, sliding_window, logits_soft_cap):
+    """The plan's dense prefill where this call runs it: not while a CUDA graph is captured (its
+    plans live outside graphs: the prefill kernel serves the step), not on a Hadamard-mode cache (the
+    rows rotated back would round once more: dense_prefill), nor on a layout the decode kernel does
+    not read (the prefill kernel then serves every request)."""
+    dense = plan.prefill
+    if dense is None:
+        return None
+    if not isinstance(dense, dense_prefill.DensePrefillPlan):
+        raise TypeError(f"plan.prefill must be a DensePrefillPlan or None, got {type(dense).__name__}")
+    dense_prefill.check_call(dense, q, cache, softmax_scale, sliding_window, logits_soft_cap)
+    if cache.mode.rotation != "none" or (q.is_cuda and (
+            torch.cuda.is_current_stream_capturing()
+            or not capabilities.decode_kernel_serves(cache.k_data, cache.k_block_scales, cache.v_data))):
+        return None
+    return dense
 
 
 def _step_plan(batch, cache, group, query_start_loc, seq_lens, query_start_loc_cpu, seq_lens_cpu, max_query_len,

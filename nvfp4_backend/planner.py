@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .dense_prefill import DensePrefillPlan
 from .capabilities import ROW_TILE, decode_query_len as decode_query_limit, fused_allowed, fused_fits, \
     heads_per_block_allowed
 
@@ -25,12 +28,15 @@ class AttentionPlan:
     ``heads_per_block`` kv heads, where the GPU gives a block the shared memory; elsewhere the
     same plan runs one kv head per block).  ``decode_query_len``: the longest query the decode kernel
     serves (the requests of up to that many tokens; longer ones go to the prefill kernel; 0: the
-    decode kernel is not launched); None: every request it can hold (``capabilities.decode_query_len``)."""
+    decode kernel is not launched); None: every request it can hold (``capabilities.decode_query_len``).
+    ``prefill``: the longer requests' dense prefill (``dense_prefill.DensePrefill.plan``); None: the
+    prefill kernel serves them."""
     num_splits: int
     workspace_bytes: int
     heads_per_block: int = 1
     fused: bool = False
     decode_query_len: int | None = None
+    prefill: "DensePrefillPlan | None" = None
 
     def allocate_workspace(self, device) -> torch.Tensor:
         return torch.empty(max(self.workspace_bytes, 16), dtype=torch.uint8, device=device)

@@ -19,6 +19,7 @@ import torch
 
 from .. import capabilities, ops, planner, reference
 from .. import format as fmt
+from ..dense_prefill import DensePrefill
 from ..layout import PagedKVCache
 from ..modes import KVMode
 from .bench_report import format_rows, mode_table, plot, summary_table
@@ -96,18 +97,27 @@ class UniformBatch:
         return self.table.shape[0]
 
     def attention(self, q: torch.Tensor, q_len: int, cache: PagedKVCache | None = None,
-                  heads_per_block: int | None = None, fused: bool | None = None, **features):
+                  heads_per_block: int | None = None, fused: bool | None = None, dense: bool = False, **features):
         """Our op on q (q_len rows per request), planned and run once: (call, out, plan, qsl);
-        features: sliding_window, logits_soft_cap, sinks."""
+        features: sliding_window, logits_soft_cap, sinks.  dense: plan the long requests on the dense
+        prefill path (``dense_prefill``), with the K global scale on the host as the engines pass it."""
         cache = cache or self.cache
         qsl = torch.arange(self.batch_size + 1, dtype=torch.int32, device=q.device) * q_len
         plan = planner.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
                                       self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
-                                      token_major=cache.token_major, fused=fused, device=q.device)
+                                      token_major=cache.token_major, fused=fused, device=q.device,
+                                      query_lens=[q_len] * self.batch_size if dense else None)
+        kg = self.kg
+        if dense:
+            engine = DensePrefill(q.device, q.shape[1], cache.num_kv_heads, cache.head_dim, q.dtype, q.shape[0])
+            plan = engine.plan(plan, [q_len] * self.batch_size, [self.seq_len] * self.batch_size, softmax_scale=self.scale,
+                               sliding_window=features.get("sliding_window"),
+                               logits_soft_cap=features.get("logits_soft_cap"))
+            kg = float(self.kg)
         wsp = plan.allocate_workspace(q.device)
         out = torch.empty_like(q)
         host = dict(seq_lens_cpu=self.seq.cpu(), query_start_loc_cpu=qsl.cpu())  # as the engines pass them
-        call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, self.kg, self.vg, self.scale,
+        call = lambda: ops.paged_attention(q, cache, self.table, self.seq, qsl, kg, self.vg, self.scale,
                                            max_query_len=q_len, out=out, plan=plan, workspace=wsp, **host, **features)
         call()
         return call, out, plan, qsl

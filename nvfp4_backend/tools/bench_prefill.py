@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .. import capabilities
+from .. import capabilities, dense_prefill
 from .bench import _meta, _rel_err, flashinfer_kv, uniform_batch
 from .timing import time_graph
 
@@ -39,14 +39,21 @@ def bench_prefill(B, ctx, new, page_size, args, device, gen, fi, ws, features: s
     call, out, plan, qsl = batch.attention(q, new, **feats)
     n = min(new, 128)  # the fp64 reference on the last n rows of request 0
     ref = batch.reference(q[new - n:new], torch.tensor([0, n], dtype=torch.int32, device=device), 1, **feats)
+    base = dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="nvfp4-backend", kv="nvfp4")
     # eager (launch and Python costs included, as an engine running prefill attention outside its
     # graphs pays them) and graph replays (back to back: the GPU time), for every implementation
     t = time_graph(call, args.iters, capture=False, back_to_back=False).isolated
     t_graph = time_graph(call, args.iters).back_to_back
     path = "decode kernel" if capabilities.decode_supports(hq // hkv, new, d) else "prefill kernel"
-    rows = [dict(B=B, ctx=ctx, new=new, features=features, page_size=page_size, impl="nvfp4-backend", kv="nvfp4",
-                 path=path, us=t, us_graph=t_graph,
-                 tflops=flops / (t * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref))]
+    rows = [dict(base, path=path, us=t, us_graph=t_graph, tflops=flops / (t * 1e-6) / 1e12,
+                 rel_err=_rel_err(out[new - n:new], ref))]
+    if dense_prefill.unavailable_reason(device) is None and path == "prefill kernel":
+        # the dense path runs outside graphs (its plans are FlashInfer's): eager, isolated and back to back
+        call, out, plan, _ = batch.attention(q, new, dense=True, **feats)
+        t_dense = time_graph(call, args.iters, capture=False)
+        rows.append(dict(base, path="dense" if plan.prefill is not None else "prefill kernel (dense not planned)",
+                         us=t_dense.isolated, us_graph=t_dense.back_to_back,
+                         tflops=flops / (t_dense.isolated * 1e-6) / 1e12, rel_err=_rel_err(out[new - n:new], ref)))
     if fi is not None:
         for kv in [kv for kv in args.peer_kv.split(",") if kv != "fp8"]:
             try:

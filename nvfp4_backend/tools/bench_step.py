@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .. import ops, planner, reference
+from .. import dense_prefill, ops, planner, reference
+from ..dense_prefill import DensePrefill
 from .bench import _meta, _rel_err, load_flashinfer, random_nvfp4_cache
 from .timing import time_graph
 
@@ -103,8 +104,9 @@ def make_step(mix: Mix, device, gen) -> Step:
                 rand(tokens, mix.kv_heads, mix.head_dim), num_pages)
 
 
-def ours(step: Step, device, gen):
-    """(the step's call, its output, a check of the last chunk's rows against the fp64 reference)."""
+def ours(step: Step, device, gen, dense: bool = False):
+    """(the step's call, a check of the last chunk's rows against the fp64 reference); dense: the
+    chunks on the dense prefill path (``dense_prefill``, the K global scale on the host)."""
     mix = step.mix
     cache = random_nvfp4_cache(step.num_pages, PAGE_SIZE, mix.kv_heads, mix.head_dim, "HND", device, gen)
     kg, vg = torch.tensor(0.02, device=device), torch.tensor(0.03, device=device)
@@ -113,13 +115,19 @@ def ours(step: Step, device, gen):
     max_q = max(step.new)
     plan = planner.plan_attention(len(step.new), mix.kv_heads, mix.q_heads // mix.kv_heads, max_q, int(step.seq_lens.max()),
                               mix.head_dim, planner.num_sms(device), device=device, query_lens=step.new)
+    kg_call = kg
+    if dense:
+        engine = DensePrefill(device, mix.q_heads, mix.kv_heads, mix.head_dim, step.q.dtype, step.q.shape[0])
+        plan = engine.plan(plan, step.new, step.seq_lens.tolist(), softmax_scale=scale, sliding_window=mix.window)
+        kg_call = float(kg)
     ws = plan.allocate_workspace(device)
     out = torch.empty_like(step.q)
+    host = dict(seq_lens_cpu=step.seq_lens.cpu(), query_start_loc_cpu=step.qsl.cpu())
 
     def call():
         ops.write_kv(step.k, step.v, step.slots, cache, kg, vg)
-        ops.paged_attention(step.q, cache, step.table, step.seq_lens, step.qsl, kg, vg, scale, max_query_len=max_q,
-                            sliding_window=mix.window, sinks=sinks, out=out, plan=plan, workspace=ws)
+        ops.paged_attention(step.q, cache, step.table, step.seq_lens, step.qsl, kg_call, vg, scale, max_query_len=max_q,
+                            sliding_window=mix.window, sinks=sinks, out=out, plan=plan, workspace=ws, **host)
 
     def check() -> float:
         b = len(step.new) - 1
@@ -196,7 +204,12 @@ def run_step(args, device) -> int:
         call, check = ours(step, device, gen)
         t = time_graph(call, args.iters)
         rows.append(dict(mix=mix.name, impl="nvfp4-backend", kv="nvfp4", us=t.isolated, us_b2b=t.back_to_back,
-                         rel_err=check()))
+                         rel_err=check(), graph=True))
+        if dense_prefill.unavailable_reason(device) is None and step.chunks:
+            call, check = ours(step, device, gen, dense=True)  # outside graphs, as engines run prefill steps
+            t = time_graph(call, args.iters, capture=False)
+            rows.append(dict(mix=mix.name, impl="nvfp4-backend-dense", kv="nvfp4", us=t.isolated,
+                             us_b2b=t.back_to_back, rel_err=check(), graph=False))
         for kv in args.peer_kv.split(",") if fi is not None else ():
             try:
                 t = time_graph(flashinfer_step(fi, step, kv, device, ws), args.iters)
@@ -214,12 +227,15 @@ def run_step(args, device) -> int:
 
 def step_table(rows) -> str:
     """Per mix: our step time and FlashInfer's, back to back (isolated in brackets), and the ratios."""
-    lines = [f"{'mix':<60s} {'ours us':>16s} {'fi-bf16':>16s} {'fi-fp8':>16s} {'fi-nvfp4':>16s} {'/bf16':>6s} {'err':>8s}"]
+    lines = [f"{'mix':<60s} {'ours us':>16s} {'ours dense':>16s} {'fi-bf16':>16s} {'fi-fp8':>16s} {'fi-nvfp4':>16s} "
+             f"{'/bf16':>6s} {'err':>8s}"]
     for name in dict.fromkeys(r["mix"] for r in rows):
         sel = {(r["impl"], r["kv"]): r for r in rows if r["mix"] == name}
         cell = lambda r: f"{r['us_b2b']:7.1f} ({r['us']:6.1f})" if r else f"{'-':>16s}"
         mine, bf16 = sel[("nvfp4-backend", "nvfp4")], sel.get(("flashinfer", "bf16"))
-        ratio = f"{mine['us_b2b'] / bf16['us_b2b']:6.2f}" if bf16 else f"{'-':>6s}"
-        lines.append(f"{name[:60]:<60s} {cell(mine)} {cell(bf16)} {cell(sel.get(('flashinfer', 'fp8')))} "
-                     f"{cell(sel.get(('flashinfer', 'nvfp4')))} {ratio} {mine['rel_err']:8.1e}")
+        dense = sel.get(("nvfp4-backend-dense", "nvfp4"))
+        best = min([mine] + ([dense] if dense else []), key=lambda r: r["us_b2b"])
+        ratio = f"{best['us_b2b'] / bf16['us_b2b']:6.2f}" if bf16 else f"{'-':>6s}"
+        lines.append(f"{name[:60]:<60s} {cell(mine)} {cell(dense)} {cell(bf16)} {cell(sel.get(('flashinfer', 'fp8')))} "
+                     f"{cell(sel.get(('flashinfer', 'nvfp4')))} {ratio} {best['rel_err']:8.1e}")
     return "\n".join(lines)

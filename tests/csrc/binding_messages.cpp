@@ -15,6 +15,7 @@
 
 namespace nvfp4 {
 cudaError_t launch_write_kv(const WriteKVParams&, cudaStream_t) { std::abort(); }
+cudaError_t launch_dequantize_kv(const DequantizeKVParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_prefill_hd64(const PrefillParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_prefill_hd128(const PrefillParams&, cudaStream_t) { std::abort(); }
 cudaError_t launch_paged_prefill_hd256(const PrefillParams&, cudaStream_t) { std::abort(); }
