@@ -19,7 +19,9 @@ done
 # the dense prefill's FA3 modules (FlashInfer builds each on first use): side by side, in the background,
 # while the kernels build and the other tests run; the dense mode waits for them
 if [[ $modes == *dense* || $modes == *step* ]] && python3 -c "import flashinfer" 2>/dev/null; then
-  FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py > "$OUT/prebuild_flashinfer.log" 2>&1 &
+  # PREBUILD_ONLY: indices into its VARIANTS (each FA3 module takes minutes of all 16 cores: build few)
+  FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py ${PREBUILD_ONLY:+--only $PREBUILD_ONLY} \
+    > "$OUT/prebuild_flashinfer.log" 2>&1 &
   prebuild=$!
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -39,11 +41,11 @@ esac
 case $mode in
   dense)  # issue 34: the dense prefill path's tests, then --prefill (plain rows with FlashInfer BF16 and NVFP4,
           # the feature rows with BF16)
-    python3 -m pytest -q tests/gpu/test_dense.py -rs 2>&1 | tee "$OUT/gpu_dense_tests.log" | tail -15
+    python3 -m pytest -q tests/gpu/test_dense.py -rs ${DENSE_K:+-k "$DENSE_K"} 2>&1 | tee "$OUT/gpu_dense_tests.log" | tail -15
     python3 -m nvfp4_backend.tools.cli bench --prefill ${PREFILL_GRID:-1x0x4096,1x12288x4096,8x2048x512,4x0x16384} \
-      --peer-kv bf16,nvfp4 --page-sizes 16 --iters ${ITERS:-10} --out "$OUT/bench_prefill.json" 2>&1 \
+      --peer-kv ${PEER_KV:-bf16,nvfp4} --page-sizes 16 --iters ${ITERS:-10} --out "$OUT/bench_prefill.json" 2>&1 \
       | grep -v "INFO" | tee "$OUT/bench_prefill.log" | tail -14
-    python3 -m nvfp4_backend.tools.cli bench --prefill ${PREFILL_FEATURES:-1x0x16384,1x0x16384:w4096+sinks,4x0x4096,4x0x4096:cap50} \
+    [ "$PREFILL_FEATURES" = none ] || python3 -m nvfp4_backend.tools.cli bench --prefill ${PREFILL_FEATURES:-1x0x16384,1x0x16384:w4096+sinks,4x0x4096,4x0x4096:cap50} \
       --peer-kv bf16 --page-sizes 16 --iters ${ITERS:-10} --out "$OUT/bench_prefill_features.json" 2>&1 \
       | grep -v "INFO" | tee "$OUT/bench_prefill_features.log" | tail -12 ;;
   step)  # issue 34: the engine-step mixes, ours (prefill kernel in graphs, dense path eagerly) and FlashInfer's

@@ -42,12 +42,13 @@ def build_fa3(variant) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", type=int, default=len(VARIANTS), help="build the first N variants")
+    ap.add_argument("--only", default="", help="comma-separated indices into VARIANTS (default: all)")
     args = ap.parse_args()
+    chosen = [VARIANTS[int(i)] for i in args.only.split(",")] if args.only else VARIANTS
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(VARIANTS), mp_context=ctx) as pool:
-        futures = [pool.submit(build_fa3, v) for v in VARIANTS[: args.variants]]
+    with concurrent.futures.ProcessPoolExecutor(len(chosen), mp_context=ctx) as pool:
+        futures = [pool.submit(build_fa3, v) for v in chosen]
         for f in concurrent.futures.as_completed(futures):
             try:
                 print(f.result(), flush=True)

@@ -32,7 +32,7 @@ def _hopper_and_flashinfer():
 # ----------------------------------------------------------------------------- the dequantizer
 @pytest.mark.parametrize("layout,page_size", [(layout, 16) for layout in LAYOUTS] + [("token_rows", 1), ("NHD", 64),
                                                                                     ("inline_nhd", 3)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dequantize_kv_is_its_cpu_op_bit_for_bit(layout, page_size, dtype, gen):
     heads, head_dim = 3, 128
     pages = 90 * 16 // page_size
@@ -117,8 +117,8 @@ def _step(gen, *, layout="HND", head_dim=128, group=4, dtype=torch.bfloat16, seq
     (torch.bfloat16, 64, 8, 128, None, True),       # gpt-oss
     (torch.bfloat16, 256, 2, 4096, 50.0, False),    # Gemma 2
     (torch.float16, 128, 1, None, None, False),
-])
-@pytest.mark.parametrize("host_scale", [True, False])
+], ids=lambda v: {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(v, None) if isinstance(v, torch.dtype) else None)
+@pytest.mark.parametrize("host_scale", [True, False], ids=["host_scale", "device_scale"])
 def test_dense_matrix(dtype, head_dim, group, window, soft_cap, sinks, host_scale, gen):
     layout = LAYOUTS[(head_dim // 64 + group + int(sinks)) % len(LAYOUTS)]
     page_size = 1 if layout == "token_rows" else 16
