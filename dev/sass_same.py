@@ -55,7 +55,9 @@ def nvcc_command(csrc: Path, source: str, arch: int, cache: Path) -> tuple[Path,
     key = hashlib.sha256(jit.sources_digest(csrc).encode() + source.encode() + " ".join(flags).encode())
     key.update(subprocess.run(["nvcc", "--version"], check=True, capture_output=True).stdout)
     cubin = cache / f"{source}.sm{arch}.{key.hexdigest()[:16]}.cubin"
-    return cubin, ["nvcc", "-cubin", str(csrc / source), "-o", str(cubin.with_suffix(".tmp")), *flags, f"-I{csrc}"]
+    # the generated limits header (jit.limits_header, this tree's: both sides compile against the same)
+    limits = f"-I{jit.limits_include_dir()}"
+    return cubin, ["nvcc", "-cubin", str(csrc / source), "-o", str(cubin.with_suffix(".tmp")), *flags, f"-I{csrc}", limits]
 
 
 def build(cubin: Path, command: list[str]) -> Path:
