@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark.  Logs go to $OUT.
 # COMMIT=<hash> names the commit in gpu.txt (the device copy's git metadata can lag the work tree).
-#   bash dev/gpu_run.sh [tests|bench|peers|modes|fuzz|hardening|engines|demo|profile|sanitize|ab|aot|all][,mode...] [extra args]
+#   bash dev/gpu_run.sh [tests|bench|peers|zoo|modes|fuzz|hardening|engines|demo|profile|sanitize|ab|aot|all][,mode...] [extra args]
 # Several modes, comma-separated, run in one call in the order given.
 set -o pipefail
 modes=${1:-all}; shift || true
@@ -60,6 +60,11 @@ case $mode in
                  --page-sizes 16 --spec-q-len 0 --out "$OUT/bench_variant.json" --plot /dev/null 2>&1 | grep "^B=" | awk -v p="[$v] " '{print p $0}'
              done ;;
   peers|final) python3 -m nvfp4_backend.tools.cli bench ${PEER_GRID:+--grid $PEER_GRID} ${PEER_PAGES:+--page-sizes $PEER_PAGES} --out "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+esac
+case $mode in
+  zoo)  # issue 36: decode at model shapes against FlashInfer; ZOO_ROWS (no spaces, e.g. D128 or 7,8,9,10) a subset
+    python3 -m nvfp4_backend.tools.cli bench --zoo ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --out "$OUT/bench_zoo.json" \
+      --plot "$OUT/bench_zoo.png" 2>&1 | tee "$OUT/bench_zoo.log" | tail -30 ;;
 esac
 case $mode in
   modes) python3 -m pytest -q tests/gpu -k "6or4 or modes_end_to_end" 2>&1 | tee "$OUT/gpu_modes_tests.log" | tail -4

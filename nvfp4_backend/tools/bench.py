@@ -41,13 +41,21 @@ def add_arguments(p) -> None:
                    help="FlashInfer's cache dtypes for --prefill and --step (each JIT-builds its own kernels)")
     p.add_argument("--modes", default="plain",
                    help="KV modes to time (comma list of plain, 6or4, hadamard, hadamard-6or4): decode and write cost")
-    p.add_argument("--prefill", default=None,
-                   help="time extends instead of decode: BxCxN triples (B requests, C cached tokens, N new tokens), "
-                        "e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill); a suffix adds "
-                        "features: 1x0x16384:w4096+sinks, 4x0x4096:cap50")
-    p.add_argument("--step", default=None, nargs="?", const="all",
-                   help="time engine steps mixing decodes and prefill chunks (bench_step.MIXES; 'all' or "
-                        "indices, e.g. 0,3) against FlashInfer's same step")
+    task = p.add_mutually_exclusive_group()
+    task.add_argument("--prefill", default=None,
+                      help="time extends instead of decode: BxCxN triples (B requests, C cached tokens, N new "
+                           "tokens), e.g. 1x0x4096,1x12288x4096,8x2048x512 (prefill and chunked prefill); a suffix "
+                           "adds features: 1x0x16384:w4096+sinks, 4x0x4096:cap50")
+    task.add_argument("--step", default=None, nargs="?", const="all",
+                      help="time engine steps mixing decodes and prefill chunks (bench_step.MIXES; 'all' or "
+                           "indices, e.g. 0,3) against FlashInfer's same step")
+    task.add_argument("--zoo", action="store_true",
+                      help="time decode at common models' attention shapes (bench_zoo.ZOO: each row's own heads, "
+                           "head dim and B x L, HND pages of 16) against FlashInfer; --grid, --page-sizes, "
+                           "--q-heads, --kv-heads, --head-dim, --layout and --modes do not apply")
+    p.add_argument("--zoo-rows", default=None,
+                   help="with --zoo: only these rows, a comma list of indices into bench_zoo.ZOO and/or "
+                        "case-insensitive substrings of their labels, e.g. 0,3 or D64,131072 or Gemma")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--blocks-per-sm", type=int, default=None,
                    help="override the split planner's target for plain decode at D <= 128 (planner.SPLIT_BLOCKS_PER_SM); "
@@ -255,6 +263,11 @@ def bench_write(device, gen, iters, mode: KVMode = KVMode()) -> dict:
 
 
 def run(args) -> int:
+    if args.zoo or args.zoo_rows:
+        from .bench_zoo import zoo_args_error
+        if error := zoo_args_error(args):
+            print(f"nvfp4-backend bench: {error}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("nvfp4-backend bench needs a CUDA GPU (none is visible to torch here).", file=sys.stderr)
         return 2
@@ -273,6 +286,9 @@ def run(args) -> int:
     if args.prefill:
         from .bench_prefill import run_prefill
         return run_prefill(args, device, gen, fi, ws)
+    if args.zoo:
+        from .bench_zoo import run_zoo
+        return run_zoo(args, device, gen, fi, ws)
     copy = copy_bandwidth(device)
     meta = _meta(args, device, fi, copy_tbps=copy)
     print(f"{meta['gpu']}: copy bandwidth {copy:.2f} TB/s (read + write)", flush=True)
