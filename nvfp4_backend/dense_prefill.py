@@ -25,6 +25,7 @@ a call being captured runs the prefill kernel instead (``ops``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ import torch
 
 from . import format as fmt
 from .dense_plan import Pass, extend_requests, plan_passes
+from .extend import decode_share
 from .layout import PagedKVCache
 from .planner import AttentionPlan
 
@@ -50,14 +52,13 @@ def _dequantize_kv_cpu(k_out, v_out, k_data, k_block_scales, v_data, v_block_sca
     """The kernel's operations in torch: e2m1 x e4m3 x global scale in fp32, one rounding to the
     workspace's dtype."""
     rows, requests, positions = segments.tolist()
+    page_size = k_data.shape[1]
     for s in range(len(rows) - 1):
-        n = rows[s + 1] - rows[s]
-        pos = positions[s] + torch.arange(n)
-        page_size = k_data.shape[1]
-        pages = block_table[requests[s], pos // page_size].long()
+        pos = positions[s] + torch.arange(rows[s + 1] - rows[s])
+        pages, slots = block_table[requests[s], pos // page_size].long(), pos % page_size
         for data, scales, g, dst in ((k_data, k_block_scales, k_global_scale, k_out),
                                      (v_data, v_block_scales, v_global_scale, v_out)):
-            x = fmt.dequantize(data[pages, pos % page_size], scales[pages, pos % page_size], g)
+            x = fmt.dequantize(data[pages, slots], scales[pages, slots], g)
             dst[rows[s]:rows[s + 1]] = x.to(dst.dtype)
 
 
@@ -81,8 +82,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"the dense prefill runs on CUDA devices, got {device}"
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return f"FlashInfer's FA3 prefill needs SM90, {device} is SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"FlashInfer's FA3 prefill needs SM90, {device} is SM{major}{minor}"
     try:
         import flashinfer  # noqa: F401
     except ImportError as exc:
@@ -194,10 +196,8 @@ class DensePrefill:
         query_lens, seq_lens = [int(n) for n in query_lens], [int(n) for n in seq_lens]
         if len(query_lens) != len(seq_lens):
             raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens)}")
-        decode_len = plan.decode_query_len
-        if decode_len is None:
-            from .capabilities import decode_query_len
-            decode_len = decode_query_len(self.num_q_heads // self.num_kv_heads, self.head_dim)
+        decode_len = decode_share(max(query_lens, default=0), self.num_q_heads // self.num_kv_heads, self.head_dim,
+                                  -1 if plan.decode_query_len is None else plan.decode_query_len)
         requests = extend_requests(query_lens, decode_len)
         if requests is None or sum(query_lens[b] for b in requests) > self.max_query_tokens:
             return dataclasses.replace(plan, prefill=None)
@@ -214,19 +214,18 @@ class DensePrefill:
             starts.append(starts[-1] + n)
         planned = [self._plan_pass(p, starts, wrapper, softmax_scale, sliding_window, logits_soft_cap)
                    for p, wrapper in zip(passes, self._wrappers)]
-        return dataclasses.replace(plan, prefill=DensePrefillPlan(self, planned, len(query_lens), decode_len, softmax_scale,
-                                                                  sliding_window, logits_soft_cap))
+        prefill = DensePrefillPlan(self, planned, len(query_lens), decode_len, softmax_scale, sliding_window,
+                                   logits_soft_cap)
+        return dataclasses.replace(plan, prefill=prefill)
 
     def _plan_pass(self, p: Pass, starts: list[int], wrapper, softmax_scale, sliding_window, logits_soft_cap):
         first, last = starts[p.first_request], starts[p.last_request]
         qo_indptr = torch.tensor([starts[b] - first for b in range(p.first_request, p.last_request + 1)],
                                  dtype=torch.int32)
-        kv_indptr = torch.zeros(len(p.segments) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.tensor([s.length for s in p.segments], dtype=torch.int32).cumsum(0)
-        table = torch.zeros(3, len(p.segments) + 1, dtype=torch.int32)
-        table[0] = kv_indptr
-        table[1, :-1] = torch.tensor([s.request for s in p.segments], dtype=torch.int32)
-        table[2, :-1] = torch.tensor([s.position for s in p.segments], dtype=torch.int32)
+        rows = [0, *itertools.accumulate(s.length for s in p.segments)]
+        table = torch.tensor([rows, [s.request for s in p.segments] + [0], [s.position for s in p.segments] + [0]],
+                             dtype=torch.int32)
+        kv_indptr = table[0].clone()
         self.attention.plan(wrapper, qo_indptr, kv_indptr, causal=p.causal, num_q_heads=self.num_q_heads,
                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                             window_left=sliding_window - 1 if sliding_window else -1,
