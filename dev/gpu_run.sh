@@ -16,10 +16,17 @@ for wheels in .whl-fi .whl-fi-slim; do
     break
   fi
 done
+# FlashInfer modules built ahead of time (dev/prebuild_flashinfer.py --aot-out .fi-aot; carry ".fi-aot"):
+# FlashInfer loads them from its data/aot/ instead of building them
+if [ -d .fi-aot ] && [ -d /tmp/site/flashinfer ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && cp -r .fi-aot/. /tmp/site/flashinfer/data/aot/
+  echo "FlashInfer AOT modules: $(ls .fi-aot | wc -l)"
+fi
 # the dense prefill's FA3 modules (FlashInfer builds each on first use): side by side, in the background,
 # while the kernels build and the other tests run; the dense mode waits for them
 if [[ $modes == *dense* || $modes == *step* ]] && python3 -c "import flashinfer" 2>/dev/null; then
-  # PREBUILD_ONLY: indices into its VARIANTS (each FA3 module takes minutes of all 16 cores: build few)
+  # PREBUILD_ONLY: indices into its MODULES (each FA3 module takes minutes of all 16 cores: build few,
+  # or build them ahead of time and carry .fi-aot)
   FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py ${PREBUILD_ONLY:+--only $PREBUILD_ONLY} \
     > "$OUT/prebuild_flashinfer.log" 2>&1 &
   prebuild=$!

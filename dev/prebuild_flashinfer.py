@@ -1,59 +1,91 @@
-"""Build FlashInfer's JIT modules that a device call will use, all at once, before the tests and benchmarks.
+"""Build the FlashInfer JIT modules that device calls use, ahead of time, on any machine with nvcc.
 
-FlashInfer builds each kernel variant on its first use, one after another: an FA3 prefill module
-(one per dtype, head dim, sliding window and soft cap) takes about a minute and a half of a 16-core
-machine.  Planning one tiny problem per variant in parallel processes builds them side by side, so a
-device call pays the slowest build instead of the sum.  VARIANTS are the ones tests/gpu/test_dense.py
-and `bench --prefill` / `bench --step` use.
+FlashInfer builds each kernel variant on its first use: an FA3 prefill module (one per dtype, head
+dim, sliding window and soft cap) takes about a minute and a half of a 16-core machine, device time
+that a call then spends compiling.  The modules need no GPU to build (only nvcc and FlashInfer's
+sources), and an FA3 one is about 2 MB, so they are built here once and carried: FlashInfer loads
+``flashinfer/data/aot/<name>/<name>.so`` instead of building it (``jit.env.get_aot_artifacts``).
 
-    FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py
+    # this machine (CPU only): build, and collect the .so files under .fi-aot/ (git-ignored)
+    FLASHINFER_CUDA_ARCH_LIST=9.0a python dev/prebuild_flashinfer.py --aot-out .fi-aot
+    # a device call: carry [".whl-fi-slim", ".fi-aot"]; dev/gpu_run.sh installs .fi-aot/ into FlashInfer
+
+Without a local nvcc setup, the same command on the device builds them there, side by side.  A
+CUDA toolkit without curand's headers or the driver's libcuda.so (a CPU machine) needs them found:
+CPATH=<nvidia-curand wheel>/nvidia/cu13/include and LIBRARY_PATH=<a folder with any libcuda.so>
+(the link only records libcuda.so.1; the GPU machine's driver provides it).
+MODULES are the ones tests/gpu/test_dense.py, ``bench --prefill`` and ``bench --step`` use: the
+FA3 ragged/paged prefill (dense_prefill's dense kernel, FlashInfer's BF16 peer) and FlashInfer's
+FA2 prefill over NVFP4 pages (its NVFP4 peer).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import multiprocessing
+import shutil
 import time
+from pathlib import Path
 
-# (dtype, head dim, sliding window, soft cap) of the FA3 ragged prefill (dense_prefill's dense kernel)
-VARIANTS = [
-    ("bfloat16", 128, False, False),
-    ("bfloat16", 128, True, False),
-    ("bfloat16", 128, False, True),
-    ("bfloat16", 64, True, False),
-    ("bfloat16", 256, True, True),
-    ("float16", 128, False, False),
+# (backend, q/o dtype, kv dtype, head dim, sliding window, soft cap); the list's index is the
+# module's name on the command line (--only)
+MODULES = [
+    ("fa3", "bfloat16", "bfloat16", 128, False, False),
+    ("fa3", "bfloat16", "bfloat16", 128, True, False),
+    ("fa3", "bfloat16", "bfloat16", 128, False, True),
+    ("fa3", "bfloat16", "bfloat16", 64, True, False),
+    ("fa3", "bfloat16", "bfloat16", 256, True, True),
+    ("fa3", "float16", "float16", 128, False, False),
+    ("fa2", "bfloat16", "uint8", 128, False, False),  # FlashInfer's NVFP4 pages (packed E2M1 bytes)
+    ("fa2", "bfloat16", "uint8", 128, True, False),
 ]
 
 
-def build_fa3(variant) -> str:
+def specs(module):
+    """FlashInfer's JitSpecs for one MODULES entry (FA2 builds two: the primary and the paged one)."""
     import torch
-    import flashinfer
-    dtype_name, head_dim, window, soft_cap = variant
-    dtype = getattr(torch, dtype_name)
-    t0 = time.time()
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8, device="cuda"), "NHD",
-                                                        backend="fa3")
-    indptr = torch.tensor([0, 16], dtype=torch.int32)
-    w.plan(indptr, indptr, 8, 2, head_dim, causal=True, window_left=7 if window else -1,
-           logits_soft_cap=30.0 if soft_cap else None, q_data_type=dtype, kv_data_type=dtype)
-    return f"fa3 {variant}: {time.time() - t0:.0f} s"
+    from flashinfer.jit.attention import modules as m
+    backend, qo, kv, head_dim, window, soft_cap = module
+    args = (backend, getattr(torch, qo), getattr(torch, kv), getattr(torch, qo), torch.int32, head_dim, head_dim, 0,
+            window, soft_cap, False)
+    if backend == "fa2":
+        return [m._gen_batch_prefill_primary_module(*args), m._gen_batch_prefill_independent_paged_module(*args)]
+    return [m.gen_batch_prefill_module(*args)]
+
+
+def build(module) -> list[tuple[str, str]]:
+    """Build one MODULES entry; (name, path of its .so) for each of its specs."""
+    built = []
+    for spec in specs(module):
+        if spec.is_aot:  # carried in (FlashInfer loads it as it is)
+            built.append((spec.name, f"{spec.aot_path} (carried)"))
+            continue
+        spec.build()
+        built.append((spec.name, str(spec.jit_library_path)))
+    return built
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated indices into VARIANTS (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated indices into MODULES (default: all)")
+    ap.add_argument("--jobs", type=int, default=0, help="modules built side by side (default: all of them)")
+    ap.add_argument("--aot-out", type=Path, help="copy each built .so to AOT_OUT/<name>/<name>.so, as FlashInfer's "
+                                                 "data/aot/ holds them")
     args = ap.parse_args()
-    chosen = [VARIANTS[int(i)] for i in args.only.split(",")] if args.only else VARIANTS
+    chosen = [MODULES[int(i)] for i in args.only.split(",")] if args.only else MODULES
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(chosen), mp_context=ctx) as pool:
-        futures = [pool.submit(build_fa3, v) for v in chosen]
+    with concurrent.futures.ProcessPoolExecutor(args.jobs or len(chosen), mp_context=ctx) as pool:
+        futures = {pool.submit(build, m): m for m in chosen}
         for f in concurrent.futures.as_completed(futures):
             try:
-                print(f.result(), flush=True)
-            except Exception as exc:  # a variant that fails to build fails its tests later, with the reason
-                print(f"build failed: {type(exc).__name__}: {str(exc)[-400:]}", flush=True)
+                for name, so in f.result():
+                    if args.aot_out and not so.endswith("(carried)"):
+                        (args.aot_out / name).mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(so, args.aot_out / name / f"{name}.so")
+                    print(f"{futures[f]}: {name} ({time.time() - t0:.0f} s)", flush=True)
+            except Exception as exc:  # a module that fails to build fails its tests later, with the reason
+                print(f"{futures[f]}: build failed: {type(exc).__name__}: {str(exc)[-400:]}", flush=True)
     print(f"prebuild: {time.time() - t0:.0f} s", flush=True)
 
 
