@@ -10,7 +10,8 @@ It records, from the engine itself:
   * ``kv_cache_tokens``: the KV cache capacity the engine sized (blocks x block size);
   * ``perplexity``: teacher-forced, from ``prompt_logprobs``, over the same windows of the same
     text and tokenizer as ``nvfp4-backend eval --window W --tokens T``;
-  * ``generations``: greedy continuations of ``nvfp4-backend eval``'s first chat prompts.
+  * ``generations``: greedy continuations of ``nvfp4-backend eval``'s first chat prompts, with the
+    log-probabilities of the FIRST_TOKEN_CANDIDATES likeliest first tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import argparse
 import json
 import math
 import time
+
+FIRST_TOKEN_CANDIDATES = 5
 
 
 class AttentionImplProbe:
@@ -85,7 +88,8 @@ def main(argv=None) -> None:
     tokenizer = llm.get_tokenizer()
     prompts = list(PROMPTS[:args.prompts])
     greedy = llm.generate([TokensPrompt(prompt_token_ids=chat_prompt_ids(tokenizer, p)) for p in prompts],
-                          SamplingParams(max_tokens=args.gen_tokens, temperature=0.0), use_tqdm=False)
+                          SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, logprobs=FIRST_TOKEN_CANDIDATES),
+                          use_tqdm=False)
     generate_s = time.time() - t0
 
     result = {
@@ -94,7 +98,8 @@ def main(argv=None) -> None:
         "block_size": cache.block_size,
         "perplexity": math.exp(nll / count),
         "scored_tokens": count,
-        "generations": [{"prompt": p, "tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
+        "generations": [{"prompt": p, "tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                         "first_candidates": {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
                         for p, o in zip(prompts, greedy)],
         "seconds": {"startup": startup_s, "score": score_s, "generate": generate_s},
     }
