@@ -42,12 +42,13 @@ class Pass:
 
 
 def extend_requests(query_lens: list[int], decode_len: int) -> range | None:
-    """The requests longer than ``decode_len`` query tokens, when they are consecutive (vLLM orders
-    decodes first, SGLang's mixed batches put them last); None when there are none or they are not."""
+    """The requests from the first to the last one longer than ``decode_len`` query tokens (None when
+    there are none).  Shorter ones between them ride along: the dense kernel takes any query length,
+    and the decode kernel's rows for them are overwritten, as the prefill kernel overwrites the rows
+    it computes for long ones (``extend``).  vLLM orders decodes first, SGLang's mixed batches last,
+    so the range is the prefills."""
     longer = [b for b, n in enumerate(query_lens) if n > decode_len]
-    if not longer or longer[-1] - longer[0] + 1 != len(longer):
-        return None
-    return range(longer[0], longer[-1] + 1)
+    return range(longer[0], longer[-1] + 1) if longer else None
 
 
 def plan_passes(query_lens: list[int], seq_lens: list[int], requests: range, sliding_window: int | None,

@@ -36,6 +36,7 @@ from .dense_plan import Pass, extend_requests, plan_passes
 from .extend import decode_share
 from .layout import PagedKVCache
 from .planner import AttentionPlan
+from .reference import RaggedAttentionRef
 
 WORKSPACE_BYTES = 512 << 20
 """Default bound of the K + V workspace (issue #34: 512 MiB at D 128): 131072 tokens of 8 kv heads."""
@@ -180,7 +181,9 @@ class DensePrefill:
         self.merge_out = None  # the later passes' output before the merge: made by the first plan that has them
         self.lse = torch.empty(2, max_query_tokens, num_q_heads, dtype=torch.float32, device=self.device)
         self.unit_scale = torch.ones((), dtype=torch.float32, device=self.device)
-        self.attention = attention if attention is not None else FlashInferRagged(self.device)
+        if attention is None:  # FA3 on a GPU; on a CPU the same semantics in fp64
+            attention = FlashInferRagged(self.device) if self.device.type == "cuda" else RaggedAttentionRef()
+        self.attention = attention
         self._wrappers: list = []
 
     @property
@@ -192,7 +195,7 @@ class DensePrefill:
     def plan(self, plan: AttentionPlan, query_lens: list[int], seq_lens: list[int], *, softmax_scale: float,
              sliding_window: int | None = None, logits_soft_cap: float | None = None) -> AttentionPlan:
         """``plan`` with ``prefill`` set for this step, or ``plan`` itself where the dense path does not
-        apply (no long requests, long requests not consecutive, or a step that does not fit)."""
+        apply (no long requests, or a step that does not fit)."""
         query_lens, seq_lens = [int(n) for n in query_lens], [int(n) for n in seq_lens]
         if len(query_lens) != len(seq_lens):
             raise ValueError(f"query_lens has {len(query_lens)} entries and seq_lens {len(seq_lens)}")

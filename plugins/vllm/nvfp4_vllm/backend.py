@@ -31,11 +31,15 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
 
+from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from nvfp4_backend import PagedKVCache, ops, planner
 from nvfp4_backend import format as fmt
 from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.dense_prefill import DensePrefill
+from nvfp4_backend.dense_prefill import unavailable_reason as dense_unavailable_reason
 from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME, CPU_PLATFORM_ENV, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
@@ -197,6 +201,33 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
                  for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if q_kernel else []
         worst = max(plans, key=lambda p: p.workspace_bytes, default=planner.AttentionPlan(1, 0))
         self.workspace = worst.allocate_workspace(device)
+        self.dense, self.dense_features = self._dense_prefill(vllm_config, layer_names, torch.device(device))
+
+    def _dense_prefill(self, vllm_config, layer_names: list[str], device: torch.device):
+        """The core's dense prefill for this group's long requests, with the layers' shared (scale,
+        window, soft cap); (None, None) where it does not apply, and the prefill kernel serves them."""
+        reason = dense_unavailable_reason(device)
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        features = {(l.impl.scale, l.impl.sliding_window, l.impl.logits_soft_cap) for l in layers.values()}
+        if reason is None and len(features) != 1:
+            reason = f"the layers differ in (scale, window, soft cap): {sorted(features, key=str)}"
+        if reason is None and configured_kv_mode().rotation != "none":
+            reason = "a Hadamard KV mode (the prefill kernel rotates in registers; 16-bit rows would round once more)"
+        if reason is None:
+            try:
+                dense = DensePrefill(device, self.group_size * self.num_kv_heads, self.num_kv_heads, self.head_size,
+                                     vllm_config.model_config.dtype,
+                                     vllm_config.scheduler_config.max_num_batched_tokens)
+            except ValueError as exc:  # the bounded workspace cannot hold a step's tokens
+                reason = str(exc)
+        if reason is not None:
+            logger.info(f"{BACKEND_NAME}: prefill on the prefill kernel ({reason})")
+            return None, None
+        # NOTE: allocated after vLLM's memory profiling sized the KV cache, as vLLM's own FlashInfer
+        # backend does with its workspace: it comes out of --gpu-memory-utilization's headroom.
+        logger.info(f"{BACKEND_NAME}: dense prefill, {dense.allocated_bytes / 2**20:.0f} MiB of 16-bit "
+                         f"workspace ({dense.capacity} tokens)")
+        return dense, features.pop()
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -227,8 +258,17 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         return Nvfp4AttentionCall(t0, t1, qsl - t0 if t0 else qsl, cm.seq_lens[r0:r1],
                                   cm.block_table_tensor[r0:r1], max_query_len, plan)
 
+    def _dense_plan(self, cm: CommonAttentionMetadata, call: Nvfp4AttentionCall, reqs: tuple[int, int]) -> None:
+        """Plan the dense prefill into ``call`` from the host lengths vLLM keeps (exact on prefill rows)."""
+        if cm.seq_lens_cpu_upper_bound is None:
+            return  # no host lengths: reading the device's would synchronize
+        (r0, r1), (scale, window, soft_cap) = reqs, self.dense_features
+        qsl = cm.query_start_loc_cpu[r0:r1 + 1]
+        call.plan = self.dense.plan(call.plan, (qsl[1:] - qsl[:-1]).tolist(), cm.seq_lens_cpu_upper_bound[r0:r1].tolist(),
+                                    softmax_scale=scale, sliding_window=window, logits_soft_cap=soft_cap)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False, max_seq_len: int | None = None) -> Nvfp4XqaMetadata:
+              fast_build: bool = False, max_seq_len: int | None = None, capturing: bool = False) -> Nvfp4XqaMetadata:
         cm = common_attn_metadata
         max_seq_len = cm.max_seq_len if max_seq_len is None else max_seq_len
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
@@ -241,12 +281,14 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
             prefill = self._call(cm, (num_decodes, num_decodes + num_prefills),
                                  (num_decode_tokens, num_decode_tokens + num_prefill_tokens),
                                  cm.max_query_len, max_seq_len)
+            if self.dense is not None and not capturing:  # the dense kernel's plans live outside graphs
+                self._dense_plan(cm, prefill, (num_decodes, num_decodes + num_prefills))
         return Nvfp4XqaMetadata(cm.num_actual_tokens, cm.slot_mapping, decode, prefill, self.workspace)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Nvfp4XqaMetadata:
         # NOTE: the split-KV count is baked into the captured graph, so plan for the longest
         # sequence the graph may ever replay, not for the dummy lengths of the capture batch.
-        return self.build(0, common_attn_metadata, max_seq_len=self.max_model_len)
+        return self.build(0, common_attn_metadata, max_seq_len=self.max_model_len, capturing=True)
 
 
 class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):

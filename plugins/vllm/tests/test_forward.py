@@ -124,7 +124,8 @@ class Step:
                                                                                       device=dev),
             num_reqs=len(self.requests), num_actual_tokens=sum(self.q_lens), max_query_len=max(self.q_lens),
             max_seq_len=max(self.seq_lens), block_table_tensor=self.block_table.to(dev),
-            slot_mapping=self.new_slots().to(dev))
+            slot_mapping=self.new_slots().to(dev),
+            seq_lens_cpu_upper_bound=torch.tensor(self.seq_lens, dtype=torch.int32))
 
 
 def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtype=torch.bfloat16, seed: int = 0):
@@ -162,7 +163,7 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
     for c, qn in step.requests:
         order.append(list(range(c0, c0 + c)) + list(range(n0, n0 + qn)))
         c0, n0 = c0 + c, n0 + qn
-    return dict(step=step, kv_cache=kv_cache, output=output.cpu(), q=q, k=k, v=v, order=order, ctx=ctx,
+    return dict(step=step, metadata=metadata, kv_cache=kv_cache, output=output.cpu(), q=q, k=k, v=v, order=order, ctx=ctx,
                 other_before=other_before, other_after=other_layer, k_scale=0.5, v_scale=0.25)
 
 
@@ -230,6 +231,47 @@ def test_window_soft_cap_sinks_fp16(make_config, device, dtype):
     assert layer.impl.sliding_window == 24
     r = run_step(config, layer, KVCacheLayout.LBHNC, "mixed", device, dtype=dtype)
     check_step(r, layer, window=24, soft_cap=30.0, sinks=sinks.cpu())
+
+
+@pytest.mark.parametrize("batch, features", [("mixed", {}), ("prefill", {}),
+                                             ("mixed", dict(per_layer_sliding_window=24, logits_soft_cap=30.0))])
+def test_long_requests_take_the_dense_prefill(make_config, monkeypatch, batch, features):
+    # The dense path where the core offers it (SM90 with FlashInfer; here its CPU form, the fp64 kernel):
+    # the builder plans it on vLLM's host lengths, forward runs it, and the step still matches the oracle.
+    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    config = make_config()
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    layer = make_layer(config, sinks=sinks, **features)
+    r = run_step(config, layer, KVCacheLayout.LBHNC, batch, "cpu")
+    dense = r["metadata"].prefill.plan.prefill
+    assert dense is not None and dense.sliding_window == features.get("per_layer_sliding_window")
+    qsl = r["metadata"].prefill.query_start_loc.tolist()
+    long = [b for b in range(len(qsl) - 1) if qsl[b + 1] - qsl[b] > dense.decode_len]
+    first_pass = dense.passes[0].spec
+    assert long and first_pass.first_request <= long[0] and long[-1] < first_pass.last_request
+    check_step(r, layer, window=features.get("per_layer_sliding_window"), soft_cap=features.get("logits_soft_cap"),
+               sinks=sinks)
+
+
+def test_dense_prefill_needs_host_lengths_and_no_capture(make_config, monkeypatch):
+    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    config = make_config()
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    cm = Step(BATCHES["mixed"], spec.block_size, "cpu", torch.Generator().manual_seed(0)).metadata()
+    assert builder.build(0, cm).prefill.plan.prefill is not None
+    assert builder.build(0, cm.replace(seq_lens_cpu_upper_bound=None)).prefill.plan.prefill is None
+    assert builder.build_for_cudagraph_capture(cm).prefill.plan.prefill is None
+
+
+def test_dense_prefill_off_where_the_core_says(make_config, vllm_log):
+    config = make_config()
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    assert builder.dense is None
+    assert "prefill on the prefill kernel (the dense prefill runs on CUDA devices" in vllm_log.text
 
 
 @pytest.mark.parametrize("device", DEVICES)
