@@ -169,6 +169,8 @@ class DensePrefill:
         if max_query_tokens <= 0:
             raise ValueError(f"max_query_tokens must be positive, got {max_query_tokens}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors made on it report it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_q_heads, self.num_kv_heads, self.head_dim, self.dtype = num_q_heads, num_kv_heads, head_dim, dtype
         row_bytes = 2 * num_kv_heads * head_dim * dtype.itemsize  # a K row and a V row
         self.capacity = workspace_bytes // row_bytes
