@@ -35,7 +35,7 @@ def _hopper_and_flashinfer():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dequantize_kv_is_its_cpu_op_bit_for_bit(layout, page_size, dtype, gen):
     heads, head_dim = 3, 128
-    pages = 90 * 16 // page_size
+    pages = 3 * (30 * 16 // page_size + 1)  # three block-table rows of at least 300 positions each
     cache = make_cache(layout, pages, page_size, heads, head_dim, DEV)
     fill_random(cache, gen)
     table = torch.randperm(pages, generator=gen).to(torch.int32).view(3, -1)

@@ -378,8 +378,10 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             if call is None:
                 continue
             rows = slice(call.token_start, call.token_end)
+            # the dense prefill folds a host K scale into its softmax scale, exactly (kernels.md#dense-prefill)
+            k_scale = layer._k_scale if call.plan.prefill is None else layer._k_scale_float
             ops.paged_attention(query[rows], cache, call.block_table, call.seq_lens, call.query_start_loc,
-                                layer._k_scale, layer._v_scale, self.scale, max_query_len=call.max_query_len,
+                                k_scale, layer._v_scale, self.scale, max_query_len=call.max_query_len,
                                 sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
                                 sinks=sinks, out=output[rows], plan=call.plan, workspace=attn_metadata.workspace)
         return output

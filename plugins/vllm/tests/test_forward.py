@@ -137,6 +137,7 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
     step = Step(BATCHES[batch], spec.block_size, device, gen)
     layer._k_scale.fill_(0.5)  # non-trivial global (dequant) scales must flow through to the cache
     layer._v_scale.fill_(0.25)
+    layer._k_scale_float, layer._v_scale_float = 0.5, 0.25  # as vLLM's weight loading keeps them
     layer._k_scale, layer._v_scale = layer._k_scale.to(device), layer._v_scale.to(device)
     h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
     ctx, new = sum(c for c, _ in step.requests), sum(step.q_lens)
