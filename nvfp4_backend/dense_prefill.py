@@ -13,9 +13,11 @@ Pieces:
   one launch per pass; on the CPU the same fp32 operations in torch).
 * ``DensePrefill``: made once per engine (or layer group): the workspace, bounded in bytes and
   allocated up front, the dense kernel's wrappers and the buffers a multi-pass merge needs.
-* ``DensePrefill.plan``: once per step, on host lengths (the engines' ``seq_lens_cpu`` /
-  ``query_start_loc_cpu``): ``dense_plan.plan_passes`` and the dense kernel's own plans.  It returns
-  the step's ``AttentionPlan`` with ``prefill`` set, or unchanged where the path does not apply.
+* ``DensePrefill.plan``: once per step and set of layer features (scale, window, soft cap: models
+  that alternate windowed and full layers plan both), on host lengths (the engines' ``seq_lens_cpu``
+  / ``query_start_loc_cpu``): ``dense_plan.plan_passes`` and the dense kernel's own plans.  It
+  returns the step's ``AttentionPlan`` with ``prefill`` set, or unchanged where the path does not
+  apply.  A plan stays valid until the next plan with the same features.
 * ``run``: called by ``ops.paged_attention`` for such a plan, after the decode kernel: per pass, the
   dequantize launch and the dense kernel, then the log-sum-exp merge of later passes and the sinks.
 
@@ -186,7 +188,7 @@ class DensePrefill:
         if attention is None:  # FA3 on a GPU; on a CPU the same semantics in fp64
             attention = FlashInferRagged(self.device) if self.device.type == "cuda" else RaggedAttentionRef()
         self.attention = attention
-        self._wrappers: list = []
+        self._wrappers: dict[tuple, list] = {}  # per (scale, window, soft cap): a step may plan several
 
     @property
     def allocated_bytes(self) -> int:
@@ -212,13 +214,14 @@ class DensePrefill:
         if len(passes) > 1 and self.merge_out is None:
             self.merge_out = torch.empty(self.max_query_tokens, self.num_q_heads, self.head_dim, dtype=self.dtype,
                                          device=self.device)
-        while len(self._wrappers) < len(passes):
-            self._wrappers.append(self.attention.new_wrapper())
+        wrappers = self._wrappers.setdefault((float(softmax_scale), sliding_window, logits_soft_cap or None), [])
+        while len(wrappers) < len(passes):
+            wrappers.append(self.attention.new_wrapper())
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         planned = [self._plan_pass(p, starts, wrapper, softmax_scale, sliding_window, logits_soft_cap)
-                   for p, wrapper in zip(passes, self._wrappers)]
+                   for p, wrapper in zip(passes, wrappers)]
         prefill = DensePrefillPlan(self, planned, len(query_lens), decode_len, softmax_scale, sliding_window,
                                    logits_soft_cap)
         return dataclasses.replace(plan, prefill=prefill)

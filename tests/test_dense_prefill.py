@@ -185,3 +185,14 @@ def test_a_call_that_differs_from_its_plan_is_rejected(mutate, name, gen):
     with pytest.raises(ValueError, match=name):
         ops.paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc, 1.0, 1.0, scale,
                             plan=plan, max_query_len=max(q_lens), **args)
+
+
+def test_a_step_plans_each_layer_feature_set_apart(gen):
+    # Alternating windowed and full layers (gpt-oss): both plans live through the step's layers.
+    seq_lens, q_lens = [400, 700], [1, 300]
+    dense = DensePrefill("cpu", 8, 2, 64, torch.bfloat16, max_query_tokens=sum(q_lens))
+    base = planner.plan_attention(2, 2, 4, max(q_lens), max(seq_lens), 64, 132, query_lens=q_lens)
+    full = dense.plan(base, q_lens, seq_lens, softmax_scale=0.125)
+    windowed = dense.plan(base, q_lens, seq_lens, softmax_scale=0.125, sliding_window=128)
+    assert full.prefill.passes[0].wrapper is not windowed.prefill.passes[0].wrapper
+    assert full.prefill.passes[0].wrapper["window_left"] == -1 and windowed.prefill.passes[0].wrapper["window_left"] == 127

@@ -14,7 +14,7 @@ The page is vLLM's inline NVFP4 page (the one its FlashInfer fa2 path uses): per
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -157,6 +157,8 @@ class Nvfp4AttentionCall:
     block_table: torch.Tensor       # [reqs, max_pages] int32
     max_query_len: int
     plan: planner.AttentionPlan
+    # per layer features (scale, window, soft cap): the plan with the dense prefill, where planned
+    dense_plans: dict[tuple, planner.AttentionPlan] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,13 +206,12 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         self.dense, self.dense_features = self._dense_prefill(vllm_config, layer_names, torch.device(device))
 
     def _dense_prefill(self, vllm_config, layer_names: list[str], device: torch.device):
-        """The core's dense prefill for this group's long requests, with the layers' shared (scale,
-        window, soft cap); (None, None) where it does not apply, and the prefill kernel serves them."""
+        """The core's dense prefill for this group's long requests, with the layers' distinct (scale,
+        window, soft cap) (each planned per step); (None, None) where it does not apply, and the
+        prefill kernel serves them."""
         reason = dense_unavailable_reason(device)
         layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
-        features = {(l.impl.scale, l.impl.sliding_window, l.impl.logits_soft_cap) for l in layers.values()}
-        if reason is None and len(features) != 1:
-            reason = f"the layers differ in (scale, window, soft cap): {sorted(features, key=str)}"
+        features = {layer.impl.dense_features for layer in layers.values()}
         if reason is None and configured_kv_mode().rotation != "none":
             reason = "a Hadamard KV mode (the prefill kernel rotates in registers; 16-bit rows would round once more)"
         if reason is None:
@@ -227,7 +228,7 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         # backend does with its workspace: it comes out of --gpu-memory-utilization's headroom.
         logger.info(f"{BACKEND_NAME}: dense prefill, {dense.allocated_bytes / 2**20:.0f} MiB of 16-bit "
                          f"workspace ({dense.capacity} tokens)")
-        return dense, features.pop()
+        return dense, sorted(features, key=str)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -262,10 +263,13 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         """Plan the dense prefill into ``call`` from the host lengths vLLM keeps (exact on prefill rows)."""
         if cm.seq_lens_cpu_upper_bound is None:
             return  # no host lengths: reading the device's would synchronize
-        (r0, r1), (scale, window, soft_cap) = reqs, self.dense_features
+        r0, r1 = reqs
         qsl = cm.query_start_loc_cpu[r0:r1 + 1]
-        call.plan = self.dense.plan(call.plan, (qsl[1:] - qsl[:-1]).tolist(), cm.seq_lens_cpu_upper_bound[r0:r1].tolist(),
-                                    softmax_scale=scale, sliding_window=window, logits_soft_cap=soft_cap)
+        query_lens, seq_lens = (qsl[1:] - qsl[:-1]).tolist(), cm.seq_lens_cpu_upper_bound[r0:r1].tolist()
+        for features in self.dense_features:
+            scale, window, soft_cap = features
+            call.dense_plans[features] = self.dense.plan(call.plan, query_lens, seq_lens, softmax_scale=scale,
+                                                         sliding_window=window, logits_soft_cap=soft_cap)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False, max_seq_len: int | None = None, capturing: bool = False) -> Nvfp4XqaMetadata:
@@ -323,6 +327,7 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
         if sinks is not None and sinks.shape != (num_heads,):
             raise ValueError(f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}")
         self.sinks = sinks
+        self.dense_features = (self.scale, self.sliding_window, self.logits_soft_cap)  # the builder plans each set
         # This backend both writes and reads the cache, so every layer of the engine uses the one
         # mode read here (the process environment), never a cache written with another.
         self.kv_mode = configured_kv_mode()
@@ -378,10 +383,11 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             if call is None:
                 continue
             rows = slice(call.token_start, call.token_end)
+            plan = call.dense_plans.get(self.dense_features, call.plan)
             # the dense prefill folds a host K scale into its softmax scale, exactly (kernels.md#dense-prefill)
-            k_scale = layer._k_scale if call.plan.prefill is None else layer._k_scale_float
+            k_scale = layer._k_scale if plan.prefill is None else layer._k_scale_float
             ops.paged_attention(query[rows], cache, call.block_table, call.seq_lens, call.query_start_loc,
                                 k_scale, layer._v_scale, self.scale, max_query_len=call.max_query_len,
                                 sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                                sinks=sinks, out=output[rows], plan=call.plan, workspace=attn_metadata.workspace)
+                                sinks=sinks, out=output[rows], plan=plan, workspace=attn_metadata.workspace)
         return output

@@ -244,7 +244,7 @@ def test_long_requests_take_the_dense_prefill(make_config, monkeypatch, batch, f
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(2))
     layer = make_layer(config, sinks=sinks, **features)
     r = run_step(config, layer, KVCacheLayout.LBHNC, batch, "cpu")
-    dense = r["metadata"].prefill.plan.prefill
+    dense = r["metadata"].prefill.dense_plans[layer.impl.dense_features].prefill
     assert dense is not None and dense.sliding_window == features.get("per_layer_sliding_window")
     qsl = r["metadata"].prefill.query_start_loc.tolist()
     long = [b for b in range(len(qsl) - 1) if qsl[b + 1] - qsl[b] > dense.decode_len]
@@ -261,9 +261,23 @@ def test_dense_prefill_needs_host_lengths_and_no_capture(make_config, monkeypatc
     spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
     builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
     cm = Step(BATCHES["mixed"], spec.block_size, "cpu", torch.Generator().manual_seed(0)).metadata()
-    assert builder.build(0, cm).prefill.plan.prefill is not None
-    assert builder.build(0, cm.replace(seq_lens_cpu_upper_bound=None)).prefill.plan.prefill is None
-    assert builder.build_for_cudagraph_capture(cm).prefill.plan.prefill is None
+    assert builder.build(0, cm).prefill.dense_plans[layer.impl.dense_features].prefill is not None
+    assert builder.build(0, cm.replace(seq_lens_cpu_upper_bound=None)).prefill.dense_plans == {}
+    assert builder.build_for_cudagraph_capture(cm).prefill.dense_plans == {}
+
+
+def test_layers_with_different_windows_each_get_their_plan(make_config, monkeypatch):
+    # gpt-oss alternates windowed and full layers: one builder, one plan per feature set per step.
+    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    config = make_config()
+    full, windowed = make_layer(config), make_layer(config, per_layer_sliding_window=24)
+    spec = customize_attention_spec(Backend, full.get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [full.layer_name, windowed.layer_name], config, torch.device("cpu"))
+    cm = Step(BATCHES["mixed"], spec.block_size, "cpu", torch.Generator().manual_seed(0)).metadata()
+    plans = builder.build(0, cm).prefill.dense_plans
+    assert set(plans) == {full.impl.dense_features, windowed.impl.dense_features}
+    assert plans[windowed.impl.dense_features].prefill.sliding_window == 24
+    assert plans[full.impl.dense_features].prefill.sliding_window is None
 
 
 def test_dense_prefill_off_where_the_core_says(make_config, vllm_log):
