@@ -238,7 +238,8 @@ class DensePrefill:
                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                             window_left=sliding_window - 1 if sliding_window else -1,
                             logits_soft_cap=logits_soft_cap or None, sm_scale=float(softmax_scale))
-        segments = table.to(self.device, non_blocking=True) if self.device.type == "cuda" else table
+        # pinned: a copy from pageable memory would wait for the stream's queued work
+        segments = table.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else table
         return PlannedPass(p, first, last, segments, wrapper)
 
 

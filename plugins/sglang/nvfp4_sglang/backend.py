@@ -8,14 +8,16 @@ without a copy.  Global (dequant) scales are the recipe's per-layer ``k_scales_g
 ``v_scales_gpu``, the numbers SGLang's own NVFP4 writer uses, so every writer and reader agree.
 
 Decode and extend (prefill, chunked prefill, mixed) both run ``ops.paged_attention`` over the
-cache after this step's K/V are written into it (bottom-right causal mask); the core chooses
-kernel or dense fallback.  CUDA graphs are captured for decode.
+cache after this step's K/V are written into it (bottom-right causal mask).  An eager extend's long
+requests take the core's dense prefill where it is offered (``dense_prefill``: SM90 with FlashInfer),
+planned once per step and layer feature set on SGLang's host lengths; the prefill kernel otherwise.
+CUDA graphs are captured for decode.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -24,11 +26,14 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from nvfp4_backend import PagedKVCache, ops, planner
 from nvfp4_backend.capabilities import decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.dense_prefill import DensePrefill
+from nvfp4_backend.dense_prefill import unavailable_reason as dense_unavailable_reason
 from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME
 
 log = logging.getLogger("nvfp4_sglang")
+DEFAULT_MAX_PREFILL_TOKENS = 16384  # SGLang's own default --max-prefill-tokens
 
 
 @dataclass
@@ -44,6 +49,9 @@ class ForwardMetadata:
     max_query_len: int
     plan: planner.AttentionPlan
     workspace: torch.Tensor        # uint8 scratch of at least plan.workspace_bytes
+    extend_lens: list[int] | None = None  # an eager extend's host lengths, for the dense prefill
+    seq_lens_host: list[int] | None = None
+    dense_plans: dict[tuple, planner.AttentionPlan] = field(default_factory=dict)  # per (scale, window, cap)
 
 
 class NVFP4XQABackend(AttentionBackend):
@@ -82,6 +90,12 @@ class NVFP4XQABackend(AttentionBackend):
         self.kv_mode = configured_kv_mode()
         log.info("%s: NVFP4 KV mode %r ($%s)", BACKEND_NAME, self.kv_mode.name, KV_MODE_ENV)
         self._caches: dict[int, PagedKVCache] = {}
+        server_args = getattr(model_runner, "server_args", None)
+        chunk = getattr(server_args, "chunked_prefill_size", None) or -1
+        self.max_prefill_tokens = chunk if chunk > 0 else getattr(server_args, "max_prefill_tokens",
+                                                                  DEFAULT_MAX_PREFILL_TOKENS)
+        self._dense: DensePrefill | None = None  # made at the first long extend: heads and dtype are the layer's
+        self._dense_off: str | None = None        # why the dense prefill is off, once decided
         self._workspace = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._graph: dict[int, ForwardMetadata] = {}
         self.forward_metadata = None
@@ -117,9 +131,11 @@ class NVFP4XQABackend(AttentionBackend):
         plan = self._plan(bs, max(max_q, 1), max_seq, None if mode.is_decode_or_idle() else fb.extend_seq_lens_cpu[:bs])
         if self._workspace.numel() < plan.workspace_bytes:  # grow-only scratch
             self._workspace = plan.allocate_workspace(self.device)
+        extend = not mode.is_decode_or_idle()
         self.forward_metadata = ForwardMetadata(
             self._page_table(fb.req_pool_indices[:bs], math.ceil(max_seq / self.page_size)),
-            seq_lens, qsl, max_q, plan, self._workspace)
+            seq_lens, qsl, max_q, plan, self._workspace,
+            list(fb.extend_seq_lens_cpu[:bs]) if extend else None, fb.seq_lens_cpu[:bs].tolist() if extend else None)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -164,6 +180,35 @@ class NVFP4XQABackend(AttentionBackend):
         md.seq_lens.copy_(forward_batch.seq_lens[:bs])
         md.block_table.copy_(self._page_table(forward_batch.req_pool_indices[:bs], self.max_num_pages))
 
+    # ------------------------------------------------------------------ dense prefill
+    def _dense_prefill(self, layer, dtype: torch.dtype) -> DensePrefill | None:
+        """The core's dense prefill, made at the first long extend; None where it is not offered."""
+        if self._dense is None and self._dense_off is None:
+            reason = dense_unavailable_reason(self.device)
+            if reason is None and self.kv_mode.rotation != "none":
+                reason = "a Hadamard KV mode (16-bit rows rotated back would round once more)"
+            if reason is None:
+                try:
+                    self._dense = DensePrefill(self.device, layer.tp_q_head_num, layer.tp_k_head_num,
+                                               layer.qk_head_dim, dtype, self.max_prefill_tokens)
+                except (TypeError, ValueError) as exc:  # e.g. the workspace cannot hold a step's tokens
+                    reason = str(exc)
+            self._dense_off = reason or ""
+            log.info("%s: %s", BACKEND_NAME, f"prefill on the prefill kernel ({reason})" if reason else
+                     f"dense prefill, {self._dense.allocated_bytes / 2**20:.0f} MiB of 16-bit workspace")
+        return self._dense
+
+    def _step_plan(self, md: ForwardMetadata, layer, dtype, window: int | None) -> planner.AttentionPlan:
+        """The step's plan for this layer: with the dense prefill for its feature set where it applies."""
+        if md.extend_lens is None or self._dense_prefill(layer, dtype) is None:
+            return md.plan
+        features = (layer.scaling, window, layer.logit_cap or None)
+        if features not in md.dense_plans:  # the first layer of this set in the step plans it
+            md.dense_plans[features] = self._dense.plan(md.plan, md.extend_lens, md.seq_lens_host,
+                                                        softmax_scale=layer.scaling, sliding_window=window,
+                                                        logits_soft_cap=layer.logit_cap or None)
+        return md.dense_plans[features]
+
     # ------------------------------------------------------------------ forward
     def _cache(self, layer) -> PagedKVCache:
         cache = self._caches.get(layer.layer_id)
@@ -197,15 +242,16 @@ class NVFP4XQABackend(AttentionBackend):
         md = self.forward_metadata
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q3.new_empty(q3.shape)
-        window = layer.sliding_window_size
+        # SGLang's sliding_window_size is a window_left (HF window - 1); ours counts the query too.
+        window = layer.sliding_window_size + 1 if layer.sliding_window_size >= 0 else None
+        plan = self._step_plan(md, layer, q3.dtype, window)
+        if plan.prefill is not None:  # the dense prefill folds a host K scale into its softmax scale, exactly
+            k_g = self.quant.k_scales_float[lid]
         ops.paged_attention(
             q3, cache, md.block_table, md.seq_lens, md.query_start_loc, k_g, v_g, layer.scaling,
-            max_query_len=md.max_query_len,
-            # SGLang's sliding_window_size is a window_left (HF window - 1); ours counts the query too.
-            sliding_window=window + 1 if window >= 0 else None,
-            logits_soft_cap=layer.logit_cap or None,
+            max_query_len=md.max_query_len, sliding_window=window, logits_soft_cap=layer.logit_cap or None,
             sinks=None if sinks is None else sinks.float(),
-            out=out, plan=md.plan, workspace=md.workspace)
+            out=out, plan=plan, workspace=md.workspace)
         return out.view(-1, layer.tp_q_head_num * layer.qk_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

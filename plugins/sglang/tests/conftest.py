@@ -72,6 +72,7 @@ class Harness:
         recipe.configure_attention_backends(*backends)
         for i, (kg, vg) in enumerate(scales):  # what load_scales_from_model leaves per layer
             recipe.k_scales_gpu[i], recipe.v_scales_gpu[i] = kg, vg
+            recipe.k_scales_float[i], recipe.v_scales_float[i] = kg, vg
         self.scales = scales
         self.pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size,
                                      dtype=torch.float4_e2m1fn_x2, head_num=kv_heads, head_dim=head_dim,

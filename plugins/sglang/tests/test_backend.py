@@ -112,6 +112,28 @@ def test_attention_sinks():
     assert_close(h.run_step(h.batch({1: 1, 2: 1}, decode=True), sinks=sinks))
 
 
+def test_long_extends_take_the_dense_prefill(monkeypatch):
+    # Where the core offers it (SM90 with FlashInfer; here its CPU form, the fp64 kernel): planned once
+    # per step and layer feature set (a windowed and a full layer: two plans), then a decode.
+    monkeypatch.setattr("nvfp4_sglang.backend.dense_unavailable_reason", lambda device: None)
+    h = Harness(page_size=4, layers=[{"sliding_window_size": 6}, {}])
+    sinks = (torch.randn(8, generator=h.gen) * 2).to(torch.bfloat16)
+    assert_close(h.run_step(h.batch({1: 37, 2: 1, 3: 24}), sinks=sinks))
+    plans = h.backend.forward_metadata.dense_plans
+    assert sorted(p.prefill.sliding_window or 0 for p in plans.values()) == [0, 7]
+    assert_close(h.run_step(h.batch({1: 20, 3: 2}), sinks=sinks))  # a chunk over a cached prefix
+    assert_close(h.run_step(h.batch({1: 1, 2: 1, 3: 1}, decode=True), sinks=sinks))
+    assert h.backend.forward_metadata.dense_plans == {}
+
+
+def test_dense_prefill_off_where_the_core_says(caplog):
+    h = Harness(page_size=4)
+    with caplog.at_level("INFO", logger="nvfp4_sglang"):
+        assert_close(h.run_step(h.batch({1: 30})))
+    assert "prefill on the prefill kernel (the dense prefill runs on CUDA devices" in caplog.text
+    assert h.backend.forward_metadata.dense_plans == {}
+
+
 def test_cuda_graph_hooks_use_preallocated_buffers():
     """Capture, then replay with other lengths: same buffers, padded rows ignored, right output."""
     h = Harness(page_size=4)
