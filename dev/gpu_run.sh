@@ -24,10 +24,10 @@ if [ -d .fi-aot ] && [ -d /tmp/site/flashinfer ]; then
 fi
 # the dense prefill's FA3 modules (FlashInfer builds each on first use): side by side, in the background,
 # while the kernels build and the other tests run; the dense mode waits for them
-if [[ $modes == *dense* || $modes == *step* ]] && python3 -c "import flashinfer" 2>/dev/null; then
+if [[ $modes == *dense* || $modes == *step* || $modes == *zoo* ]] && python3 -c "import flashinfer" 2>/dev/null; then
   # PREBUILD_ONLY: indices into its MODULES (each FA3 module takes minutes of all 16 cores: build few,
-  # or build them ahead of time and carry .fi-aot)
-  FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py ${PREBUILD_ONLY:+--only $PREBUILD_ONLY} \
+  # or build them ahead of time and carry .fi-aot; an FA2 one takes about 20 s); PREBUILD_JOBS side by side
+  FLASHINFER_CUDA_ARCH_LIST=9.0a python3 dev/prebuild_flashinfer.py ${PREBUILD_ONLY:+--only $PREBUILD_ONLY} --jobs ${PREBUILD_JOBS:-4} \
     > "$OUT/prebuild_flashinfer.log" 2>&1 &
   prebuild=$!
 fi
@@ -43,7 +43,7 @@ case $mode in
                      ${prebuild:+--deselect tests/gpu/test_dense.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
 esac
 case $mode in
-  dense|step) [ -z "$prebuild" ] || { wait $prebuild; cat "$OUT/prebuild_flashinfer.log"; prebuild=; } ;;
+  dense|step|zoo) [ -z "$prebuild" ] || { wait $prebuild; cat "$OUT/prebuild_flashinfer.log"; prebuild=; } ;;
 esac
 case $mode in
   dense)  # issue 34: the dense prefill path's tests, then --prefill (plain rows with FlashInfer BF16 and NVFP4,

@@ -38,18 +38,37 @@ MODULES = [
     ("fa3", "float16", "float16", 128, False, False),
     ("fa2", "bfloat16", "uint8", 128, False, False),  # FlashInfer's NVFP4 pages (packed E2M1 bytes)
     ("fa2", "bfloat16", "uint8", 128, True, False),
+    # FlashInfer's decode (its tensor-core decode runs the FA2 prefill module) and FA2 prefill peers:
+    # bench --zoo (D 64/128/256) and bench --step (D 128, and D 64 with a window for the gpt-oss mix)
+    ("fa2", "bfloat16", "bfloat16", 128, False, False),
+    ("fa2", "bfloat16", "float8_e4m3fn", 128, False, False),
+    ("fa2", "bfloat16", "bfloat16", 64, False, False),
+    ("fa2", "bfloat16", "float8_e4m3fn", 64, False, False),
+    ("fa2", "bfloat16", "uint8", 64, False, False),
+    ("fa2", "bfloat16", "bfloat16", 256, False, False),
+    ("fa2", "bfloat16", "float8_e4m3fn", 256, False, False),
+    ("fa2", "bfloat16", "uint8", 256, False, False),
+    ("fa2", "bfloat16", "bfloat16", 64, True, False),
+    ("fa2", "bfloat16", "float8_e4m3fn", 64, True, False),
+    ("fa2", "bfloat16", "uint8", 64, True, False),
+    ("page",),  # FlashInfer's append (BF16/FP8 and NVFP4 quantize-on-write): bench --step
 ]
 
 
 def specs(module):
-    """FlashInfer's JitSpecs for one MODULES entry (FA2 builds two: the primary and the paged one)."""
+    """FlashInfer's JitSpecs for one MODULES entry (an FA2 one over NVFP4 pages builds two: the primary
+    and the paged one with independent K/V strides)."""
+    if module[0] == "page":
+        from flashinfer.jit.page import gen_page_module
+        return [gen_page_module()]
     import torch
     from flashinfer.jit.attention import modules as m
     backend, qo, kv, head_dim, window, soft_cap = module
     args = (backend, getattr(torch, qo), getattr(torch, kv), getattr(torch, qo), torch.int32, head_dim, head_dim, 0,
             window, soft_cap, False)
     if backend == "fa2":
-        return [m._gen_batch_prefill_primary_module(*args), m._gen_batch_prefill_independent_paged_module(*args)]
+        primary = m._gen_batch_prefill_primary_module(*args)
+        return [primary, m._gen_batch_prefill_independent_paged_module(*args)] if kv == "uint8" else [primary]
     return [m.gen_batch_prefill_module(*args)]
 
 

@@ -142,7 +142,8 @@ def ours(step: Step, device, gen, dense: bool = False):
 
 
 def flashinfer_step(fi, step: Step, kv: str, device, ws):
-    """FlashInfer's same step with a ``kv`` (bf16, fp8, nvfp4) cache of its own layout (HND)."""
+    """FlashInfer's same step with a ``kv`` (bf16, fp8, nvfp4) cache of its own layout (HND): its named
+    pieces (append, decode, prefill), called in order."""
     mix = step.mix
     hq, hkv, d = mix.q_heads, mix.kv_heads, mix.head_dim
     shape = (step.num_pages, hkv, PAGE_SIZE, d)
@@ -165,7 +166,7 @@ def flashinfer_step(fi, step: Step, kv: str, device, ws):
             step.k.to(dt), step.v.to(dt), batch_indices, positions, (kc, vc), indices, kv_indptr, last, "HND")
     extra = dict(window_left=mix.window - 1 if mix.window else -1, logits_soft_cap=None, sm_scale=1 / math.sqrt(d))
     sinks = dict(sinks=torch.randn(hq, device=device)) if mix.sinks else {}
-    runs = []
+    pieces = [("append", append)]
     out = torch.empty_like(step.q)
     for requests, decode in ((step.decodes, True), (step.chunks, False)):
         if not requests:
@@ -174,32 +175,45 @@ def flashinfer_step(fi, step: Step, kv: str, device, ws):
         rows = torch.cat([torch.arange(int(step.qsl[b]), int(step.qsl[b + 1]), device=device) for b in requests])
         q, o = step.q[rows].contiguous(), out[rows].contiguous()
         if decode:
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws[len(runs)], "HND", use_tensor_cores=True)
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws[len(pieces) - 1], "HND", use_tensor_cores=True)
             w.plan(kv_indptr, indices, last, hq, hkv, d, PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=dt,
                    **extra)
         else:
-            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[len(runs)], "HND")
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[len(pieces) - 1], "HND")
             w.plan(qo_indptr, kv_indptr, indices, last, hq, hkv, d, PAGE_SIZE, causal=True,
                    q_data_type=torch.bfloat16, kv_data_type=dt, **extra)
-        runs.append(lambda w=w, q=q, o=o: w.run(q, (kc, vc), out=o, **kw, **sinks))
+        pieces.append(("decode" if decode else "prefill", lambda w=w, q=q, o=o: w.run(q, (kc, vc), out=o, **kw, **sinks)))
+    return pieces
 
-    def call():
-        append()
-        for run in runs:
-            run()
 
-    return call
+def first_run_names_the_failing_piece(pieces) -> None:
+    """Each piece once, synchronized, so an asynchronous fault (it ends the process's CUDA context) is
+    reported with the piece that caused it before the step is timed."""
+    for name, piece in pieces:
+        try:
+            piece()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            raise RuntimeError(f"FlashInfer's {name} failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+def _mix_generator(device, index: int) -> torch.Generator:
+    """A mix's own seed: ours and the peers lay out the same step."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(index)
+    return gen
 
 
 def run_step(args, device) -> int:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(0)
     fi = None if args.no_peers else load_flashinfer()
     ws = [torch.zeros(256 << 20, dtype=torch.uint8, device=device) for _ in range(2)] if fi is not None else None
-    names = [m.name for m in MIXES]
-    chosen = MIXES if args.step == "all" else [MIXES[int(i)] for i in args.step.split(",")]
+    chosen = list(enumerate(MIXES)) if args.step == "all" else [(int(i), MIXES[int(i)]) for i in args.step.split(",")]
+    meta = _meta(args, device, fi, mixes=[m.name for m in MIXES], page_size=PAGE_SIZE)
     rows = []
-    for mix in chosen:
+    save = lambda: Path(args.out).write_text(json.dumps(dict(meta=meta, step=rows), indent=1))
+    # ours for every mix first: a peer's fault ends the process's CUDA context, and must not take our rows with it
+    for index, mix in chosen:
+        gen = _mix_generator(device, index)
         step = make_step(mix, device, gen)
         call, check = ours(step, device, gen)
         t = time_graph(call, args.iters)
@@ -210,17 +224,28 @@ def run_step(args, device) -> int:
             t = time_graph(call, args.iters, capture=False)
             rows.append(dict(mix=mix.name, impl="nvfp4-backend-dense", kv="nvfp4", us=t.isolated,
                              us_b2b=t.back_to_back, rel_err=check(), graph=False))
-        for kv in args.peer_kv.split(",") if fi is not None else ():
+        save()
+        del step, call, check
+        torch.cuda.empty_cache()
+    for index, mix in chosen if fi is not None else ():
+        step = make_step(mix, device, _mix_generator(device, index))
+        for kv in args.peer_kv.split(","):
             try:
-                t = time_graph(flashinfer_step(fi, step, kv, device, ws), args.iters)
+                pieces = flashinfer_step(fi, step, kv, device, ws)
+                first_run_names_the_failing_piece(pieces)
+                t = time_graph(lambda pieces=pieces: [piece() for _, piece in pieces], args.iters)
                 rows.append(dict(mix=mix.name, impl="flashinfer", kv=kv, us=t.isolated, us_b2b=t.back_to_back))
             except Exception as exc:
                 print(f"  flashinfer {kv} [{mix.name}]: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                if "illegal" in str(exc) or "unspecified launch failure" in str(exc):
+                    print("  the CUDA context is lost: no further peer is measured", file=sys.stderr)
+                    save()
+                    print("\n" + step_table(rows))
+                    return 1
+        save()
         print(step_table([r for r in rows if r["mix"] == mix.name]), flush=True)
         del step
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(dict(meta=_meta(args, device, fi, mixes=names, page_size=PAGE_SIZE),
-                                              step=rows), indent=1))
     print("\n" + step_table(rows))
     return 0
 
