@@ -51,6 +51,15 @@ def extend_requests(query_lens: list[int], decode_len: int) -> range | None:
     return range(longer[0], longer[-1] + 1) if longer else None
 
 
+def attention_pairs(query_lens: list[int], seq_lens: list[int], requests: range, sliding_window: int | None) -> int:
+    """The (query, key) pairs ``requests`` attend to under the bottom-right causal mask and the window:
+    the work of a step's long requests, which decides whether the dense path pays for its fixed cost."""
+    def keys_up_to(m: int) -> int:  # sum over query positions p < m of the keys p sees: min(p + 1, window)
+        w = sliding_window or m
+        return m * (m + 1) // 2 if m <= w else w * (w + 1) // 2 + (m - w) * w
+    return sum(keys_up_to(seq_lens[b]) - keys_up_to(seq_lens[b] - query_lens[b]) for b in requests)
+
+
 def plan_passes(query_lens: list[int], seq_lens: list[int], requests: range, sliding_window: int | None,
                 capacity: int) -> list[Pass] | None:
     """The passes over ``requests`` with at most ``capacity`` workspace rows each, the causal pass

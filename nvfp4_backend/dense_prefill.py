@@ -34,11 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from . import format as fmt
-from .dense_plan import Pass, extend_requests, plan_passes
+from .dense_plan import Pass, attention_pairs, extend_requests, plan_passes
 from .extend import decode_share
 from .layout import PagedKVCache
 from .planner import AttentionPlan
 from .reference import RaggedAttentionRef
+
+DENSE_MIN_FLOPS = 5e10
+"""Default ``DensePrefill.min_flops``: below it a step's long requests go to the prefill kernel."""
 
 WORKSPACE_BYTES = 512 << 20
 """Default bound of the K + V workspace (issue #34: 512 MiB at D 128): 131072 tokens of 8 kv heads."""
@@ -159,7 +162,14 @@ class DensePrefill:
     """The 16-bit workspace and the dense kernel of one engine (or layer group): ``num_q_heads`` /
     ``num_kv_heads`` heads of ``head_dim`` in ``dtype``.  ``workspace_bytes`` bounds K + V (the
     engine's memory profiling counts ``allocated_bytes``); ``max_query_tokens`` is the most query
-    tokens a step holds (the engine's max batched tokens), which sizes the merge buffers."""
+    tokens a step holds (the engine's max batched tokens), which sizes the merge buffers.
+
+    ``min_flops``: a step whose long requests need fewer attention FLOPs (4 x pairs x q heads x head
+    dim) is left to the prefill kernel.  The dense path has a fixed cost per call (a dequantize launch,
+    FlashInfer's run, host work in Python) that a small prefill does not earn back; the crossover was
+    measured with ``bench --step`` / ``--prefill`` (docs/performance.md).  Tests set 0."""
+
+    min_flops = DENSE_MIN_FLOPS
 
     def __init__(self, device, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  max_query_tokens: int, workspace_bytes: int = WORKSPACE_BYTES, attention=None):
@@ -207,6 +217,9 @@ class DensePrefill:
                                   -1 if plan.decode_query_len is None else plan.decode_query_len)
         requests = extend_requests(query_lens, decode_len)
         if requests is None or sum(query_lens[b] for b in requests) > self.max_query_tokens:
+            return dataclasses.replace(plan, prefill=None)
+        pairs = attention_pairs(query_lens, seq_lens, requests, sliding_window)
+        if 4 * pairs * self.num_q_heads * self.head_dim < self.min_flops:
             return dataclasses.replace(plan, prefill=None)
         passes = plan_passes(query_lens, seq_lens, requests, sliding_window, self.capacity)
         if passes is None:
@@ -262,19 +275,16 @@ def check_call(plan: DensePrefillPlan, q: torch.Tensor, cache: PagedKVCache, sof
 
 
 def run(plan: DensePrefillPlan, out: torch.Tensor, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
-        k_global_scale: torch.Tensor, v_global_scale: torch.Tensor, sinks: torch.Tensor | None,
-        k_scale_on_host: float | None = None) -> None:
+        k_global_scale: float, v_global_scale: torch.Tensor, sinks: torch.Tensor | None) -> None:
     """The plan's passes into ``out``'s rows of the long requests (the decode kernel has served the rest).
 
-    The K global scale multiplies the dense kernel's softmax scale when the caller has it on the host
-    (``k_scale_on_host``: the engines keep it as a float), so the K rows stay exact; otherwise it is
-    folded into the K rows, one more rounding to 16 bits.  The V global scale is folded into the V
-    rows (attention averages that rounding away)."""
+    The K global scale, a host number (the engines keep it as a float; ``ops`` serves a call that has it
+    only on the GPU with the prefill kernel), multiplies the dense kernel's softmax scale, so the K rows
+    stay exact: folded into them it would round once more, which measured 4.0-4.3e-3 of error against
+    fp64 on an H200, past the 4e-3 bound.  The V global scale is folded into the V rows."""
     dense = plan.dense
     first, last = plan.first_row, plan.last_row
-    k_rows_scale, sm_scale = k_global_scale, plan.softmax_scale
-    if k_scale_on_host is not None:
-        k_rows_scale, sm_scale = dense.unit_scale, plan.softmax_scale * k_scale_on_host
+    k_rows_scale, sm_scale = dense.unit_scale, plan.softmax_scale * float(k_global_scale)
     need_lse = sinks is not None or len(plan.passes) > 1
     lse = dense.lse[0, : last - first] if need_lse else None
     for i, p in enumerate(plan.passes):

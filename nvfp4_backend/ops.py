@@ -242,7 +242,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"workspace holds {workspace.numel()} bytes, the plan needs {plan.workspace_bytes}")
     elif plan.num_splits > 1 and workspace.data_ptr() % 16:
         raise ValueError("workspace must be 16-byte aligned (the kernel's merge reads it in 16-byte pieces)")
-    dense = _dense_plan(plan, q, cache, softmax_scale, sliding_window, logits_soft_cap)
+    dense = _dense_plan(plan, q, cache, k_global_scale, softmax_scale, sliding_window, logits_soft_cap)
     if dense is not None:  # the decode kernel serves the short requests, the dense path the rest
         max_query_len = min(max_query_len, dense.decode_len)
     if dense is None or not dense.covers_all:
@@ -252,7 +252,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
             float(softmax_scale), int(sliding_window or 0), float(logits_soft_cap or 0.0), sinks, int(max_query_len),
             plan.num_splits, workspace, cache.mode.rotation, plan.heads_per_block, plan.fused, decode_len)
     if dense is not None:
-        dense_prefill.run(dense, out, q, cache, block_table, kg, vg, sinks, _on_host(k_global_scale))
+        dense_prefill.run(dense, out, q, cache, block_table, _on_host(k_global_scale), vg, sinks)
     return out
 
 
@@ -263,18 +263,19 @@ def _on_host(scale) -> float | None:
     return float(scale) if scale.device.type == "cpu" else None
 
 
-def _dense_plan(plan: AttentionPlan, q, cache, softmax_scale, sliding_window, logits_soft_cap):
+def _dense_plan(plan: AttentionPlan, q, cache, k_global_scale, softmax_scale, sliding_window, logits_soft_cap):
     """The plan's dense prefill where this call runs it: not while a CUDA graph is captured (its
     plans live outside graphs: the prefill kernel serves the step), not on a Hadamard-mode cache (the
-    rows rotated back would round once more: dense_prefill), nor on a layout the decode kernel does
-    not read (the prefill kernel then serves every request)."""
+    rows rotated back would round once more: dense_prefill), not with the K global scale only on the
+    GPU (reading it would synchronize; folded into the K rows it would round once more), nor on a
+    layout the decode kernel does not read (the prefill kernel then serves every request)."""
     dense = plan.prefill
     if dense is None:
         return None
     if not isinstance(dense, dense_prefill.DensePrefillPlan):
         raise TypeError(f"plan.prefill must be a DensePrefillPlan or None, got {type(dense).__name__}")
     dense_prefill.check_call(dense, q, cache, softmax_scale, sliding_window, logits_soft_cap)
-    if cache.mode.rotation != "none" or (q.is_cuda and (
+    if cache.mode.rotation != "none" or _on_host(k_global_scale) is None or (q.is_cuda and (
             torch.cuda.is_current_stream_capturing()
             or not capabilities.decode_kernel_serves(cache.k_data, cache.k_block_scales, cache.v_data))):
         return None

@@ -8,8 +8,8 @@ import torch
 
 from gpu_cases import LAYOUTS, fill_random, make_batch, make_cache, rel_l2
 from nvfp4_backend import PagedKVCache, format as fmt, ops, planner, reference
-from nvfp4_backend.dense_plan import extend_requests, plan_passes
-from nvfp4_backend.dense_prefill import DensePrefill
+from nvfp4_backend.dense_plan import attention_pairs, extend_requests, plan_passes
+from nvfp4_backend.dense_prefill import DENSE_MIN_FLOPS, DensePrefill
 from nvfp4_backend.modes import KVMode
 
 
@@ -196,3 +196,26 @@ def test_a_step_plans_each_layer_feature_set_apart(gen):
     windowed = dense.plan(base, q_lens, seq_lens, softmax_scale=0.125, sliding_window=128)
     assert full.prefill.passes[0].wrapper is not windowed.prefill.passes[0].wrapper
     assert full.prefill.passes[0].wrapper["window_left"] == -1 and windowed.prefill.passes[0].wrapper["window_left"] == 127
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_attention_pairs_counts_the_masked_pairs(window, gen):
+    q_lens = [int(x) for x in torch.randint(1, 30, (5,), generator=gen)]
+    seq_lens = [q + int(x) for q, x in zip(q_lens, torch.randint(0, 50, (5,), generator=gen))]
+    requests = range(1, 4)
+    brute = sum(min(p + 1, window or p + 1) for b in requests for p in range(seq_lens[b] - q_lens[b], seq_lens[b]))
+    assert attention_pairs(q_lens, seq_lens, requests, window) == brute
+
+
+def test_a_step_too_small_for_the_dense_path_goes_to_the_prefill_kernel():
+    # 32 q heads x D 128: 4 chunks of 512 from scratch (8.6e9 FLOPs) stay with the prefill kernel, one
+    # 2048-token chunk over 12288 cached (1.1e11) takes the dense path; a window shrinks the work
+    dense = DensePrefill("cpu", 32, 8, 128, torch.bfloat16, max_query_tokens=4096)
+    dense.min_flops = DENSE_MIN_FLOPS
+    for q_lens, seq_lens, window, planned in (([1, 512, 512, 512, 512], [900, 512, 512, 512, 512], None, False),
+                                              ([1, 2048], [900, 14336], None, True),
+                                              ([1, 2048], [900, 14336], 128, False)):
+        base = planner.plan_attention(len(q_lens), 8, 4, max(q_lens), max(seq_lens), 128, 132, query_lens=q_lens)
+        plan = dense.plan(base, q_lens, seq_lens, softmax_scale=0.1, sliding_window=window)
+        assert (plan.prefill is not None) == planned, (q_lens, seq_lens, window)
+

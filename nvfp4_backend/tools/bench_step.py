@@ -105,8 +105,9 @@ def make_step(mix: Mix, device, gen) -> Step:
 
 
 def ours(step: Step, device, gen, dense: bool = False):
-    """(the step's call, a check of the last chunk's rows against the fp64 reference); dense: the
-    chunks on the dense prefill path (``dense_prefill``, the K global scale on the host)."""
+    """(the step's call, a check of the last chunk's rows against the fp64 reference, whether the dense
+    path serves the chunks); dense: planned for it (``dense_prefill``, the K global scale on the host),
+    which leaves a step below ``DensePrefill.min_flops`` to the prefill kernel."""
     mix = step.mix
     cache = random_nvfp4_cache(step.num_pages, PAGE_SIZE, mix.kv_heads, mix.head_dim, "HND", device, gen)
     kg, vg = torch.tensor(0.02, device=device), torch.tensor(0.03, device=device)
@@ -138,7 +139,7 @@ def ours(step: Step, device, gen, dense: bool = False):
                                             qsl, kg, vg, scale, mix.window, None, sinks, dtype=torch.float64)
         return _rel_err(out[first:first + rows], ref)
 
-    return call, check
+    return call, check, plan.prefill is not None
 
 
 def flashinfer_step(fi, step: Step, kv: str, device, ws):
@@ -215,15 +216,15 @@ def run_step(args, device) -> int:
     for index, mix in chosen:
         gen = _mix_generator(device, index)
         step = make_step(mix, device, gen)
-        call, check = ours(step, device, gen)
+        call, check, _ = ours(step, device, gen)
         t = time_graph(call, args.iters)
         rows.append(dict(mix=mix.name, impl="nvfp4-backend", kv="nvfp4", us=t.isolated, us_b2b=t.back_to_back,
                          rel_err=check(), graph=True))
         if dense_prefill.unavailable_reason(device) is None and step.chunks:
-            call, check = ours(step, device, gen, dense=True)  # outside graphs, as engines run prefill steps
+            call, check, planned = ours(step, device, gen, dense=True)  # outside graphs, as engines run prefill
             t = time_graph(call, args.iters, capture=False)
             rows.append(dict(mix=mix.name, impl="nvfp4-backend-dense", kv="nvfp4", us=t.isolated,
-                             us_b2b=t.back_to_back, rel_err=check(), graph=False))
+                             us_b2b=t.back_to_back, rel_err=check(), graph=False, dense_planned=planned))
         save()
         del step, call, check
         torch.cuda.empty_cache()
@@ -256,7 +257,9 @@ def step_table(rows) -> str:
              f"{'/bf16':>6s} {'err':>8s}"]
     for name in dict.fromkeys(r["mix"] for r in rows):
         sel = {(r["impl"], r["kv"]): r for r in rows if r["mix"] == name}
-        cell = lambda r: f"{r['us_b2b']:7.1f} ({r['us']:6.1f})" if r else f"{'-':>16s}"
+        # a dense row the planner left to the prefill kernel (DensePrefill.min_flops), run eagerly: "k"
+        cell = lambda r: (f"{r['us_b2b']:7.1f} ({r['us']:6.1f})" + ("k" if r.get("dense_planned") is False else "")
+                          ).rjust(16) if r else f"{'-':>16s}"
         mine, bf16 = sel[("nvfp4-backend", "nvfp4")], sel.get(("flashinfer", "bf16"))
         dense = sel.get(("nvfp4-backend-dense", "nvfp4"))
         best = min([mine] + ([dense] if dense else []), key=lambda r: r["us_b2b"])

@@ -124,7 +124,8 @@ def test_dense_matrix(dtype, head_dim, group, window, soft_cap, sinks, host_scal
     page_size = 1 if layout == "token_rows" else 16
     _, plan, runs = _step(gen, layout=layout, head_dim=head_dim, group=group, dtype=dtype, window=window,
                           soft_cap=soft_cap, sinks=sinks, page_size=page_size, host_scale=host_scale)
-    assert plan.prefill is not None and runs == 1
+    # a K global scale only on the GPU: the prefill kernel serves the long requests (dense_prefill.run)
+    assert plan.prefill is not None and runs == int(host_scale)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -136,11 +137,11 @@ def test_dense_layouts(layout, gen):
 
 @pytest.mark.parametrize("sinks", [False, True])
 def test_dense_kv_chunks_merge_by_log_sum_exp(sinks, gen):
-    """A workspace of 2600 rows: the causal pass, then prefix chunks (a chunk boundary inside a
-    request, and a request that spans chunks), lengths up to 20000."""
+    """A workspace of 4400 rows (it must hold the step's 4202 query tokens): the causal pass, then prefix
+    chunks (a chunk boundary inside a request, and a request that spans chunks), lengths up to 20000."""
     seq_lens, q_lens = [900, 20000, 2000, 6000, 300], [1, 1500, 2000, 700, 1]
     err, plan, runs = _step(gen, seq_lens=seq_lens, q_lens=q_lens, num_kv_heads=1, sinks=sinks,
-                            workspace_bytes=2600 * 2 * 128 * 2)
+                            workspace_bytes=4400 * 2 * 128 * 2)
     assert plan.prefill is not None and len(plan.prefill.passes) > 3 and runs == len(plan.prefill.passes)
 
 
