@@ -4,9 +4,9 @@ A step writes its new tokens' K/V into the cache (quantize-on-write) and runs at
 request in it: decodes (one new token over a long context) next to prefill chunks (many new tokens,
 possibly over a cached prefix).  Ours is ``ops.write_kv`` + one ``ops.paged_attention`` over the
 whole ragged batch (the decode kernel for the decodes, the prefill kernel for the chunks).  FlashInfer
-does the same step with BF16, FP8 and NVFP4 caches: its append, then its paged decode wrapper for the
-decodes and its paged prefill wrapper for the chunks (vLLM's FlashInfer backend splits the batch the
-same way).  Every step is captured in a CUDA graph and timed like the decode benchmark
+does the same step with BF16, FP8 and NVFP4 caches: the write (its NVFP4 append by slot; BF16 and
+FP8 by a scatter, as vLLM writes them), then its paged decode wrapper for the decodes and its paged
+prefill wrapper for the chunks (vLLM's FlashInfer backend splits the batch the same way).  Every step is captured in a CUDA graph and timed like the decode benchmark
 (bench.time_graph: isolated and back-to-back replays), in one process.
 """
 from __future__ import annotations
@@ -144,7 +144,8 @@ def ours(step: Step, device, gen, dense: bool = False):
 
 def flashinfer_step(fi, step: Step, kv: str, device, ws):
     """FlashInfer's same step with a ``kv`` (bf16, fp8, nvfp4) cache of its own layout (HND): its named
-    pieces (append, decode, prefill), called in order."""
+    pieces (append, decode, prefill), called in order.  NVFP4 is written by FlashInfer's quantizing
+    append by slot; BF16 and FP8 by a scatter (below)."""
     mix = step.mix
     hq, hkv, d = mix.q_heads, mix.kv_heads, mix.head_dim
     shape = (step.num_pages, hkv, PAGE_SIZE, d)
@@ -157,14 +158,19 @@ def flashinfer_step(fi, step: Step, kv: str, device, ws):
         append = lambda: fi.page.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
             step.k, step.v, step.slots, (kc, vc), (ks, vs), kg, vg, "HND")
     else:
+        # BF16 / FP8 pages written by slot with a torch scatter, as vLLM writes them (its own
+        # reshape_and_cache, not FlashInfer's append): FlashInfer's append_paged_kv_cache faults with an
+        # illegal address on the larger mixes (33729 pages; its inputs checked in bounds on the CPU)
         dt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
         kc, vc = (torch.randn(shape, device=device, dtype=torch.bfloat16).to(dt) for _ in range(2))
         kw = dict(k_scale=0.02, v_scale=0.03) if kv == "fp8" else {}
-        everyone = list(range(len(step.new)))
-        qo_indptr, kv_indptr, indices, last = step.paging(everyone)
-        batch_indices, positions = fi.page.get_batch_indices_positions(qo_indptr, step.seq_lens, step.q.shape[0])
-        append = lambda: fi.page.append_paged_kv_cache(
-            step.k.to(dt), step.v.to(dt), batch_indices, positions, (kc, vc), indices, kv_indptr, last, "HND")
+        page, slot = step.slots // PAGE_SIZE, step.slots % PAGE_SIZE
+        bits = torch.int16 if kv == "bf16" else torch.uint8  # a scatter of the bits (any dtype indexes)
+        k_rows, v_rows = (c.transpose(1, 2).view(bits) for c in (kc, vc))  # [pages, page, heads, D] views
+
+        def append():
+            k_rows[page, slot] = step.k.to(dt).view(bits)
+            v_rows[page, slot] = step.v.to(dt).view(bits)
     extra = dict(window_left=mix.window - 1 if mix.window else -1, logits_soft_cap=None, sm_scale=1 / math.sqrt(d))
     sinks = dict(sinks=torch.randn(hq, device=device)) if mix.sinks else {}
     pieces = [("append", append)]
