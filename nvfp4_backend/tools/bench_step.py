@@ -6,8 +6,9 @@ possibly over a cached prefix).  Ours is ``ops.write_kv`` + one ``ops.paged_atte
 whole ragged batch (the decode kernel for the decodes, the prefill kernel for the chunks).  FlashInfer
 does the same step with BF16, FP8 and NVFP4 caches: the write (its NVFP4 append by slot; BF16 and
 FP8 by a scatter, as vLLM writes them), then its paged decode wrapper for the decodes and its paged
-prefill wrapper for the chunks (vLLM's FlashInfer backend splits the batch the same way).  Every step is captured in a CUDA graph and timed like the decode benchmark
-(bench.time_graph: isolated and back-to-back replays), in one process.
+prefill wrapper for the chunks (vLLM's FlashInfer backend splits the batch the same way).  Every
+step is captured in a CUDA graph and timed like the decode benchmark (bench.time_graph: isolated and
+back-to-back replays), in one process.
 """
 from __future__ import annotations
 
@@ -182,11 +183,11 @@ def flashinfer_step(fi, step: Step, kv: str, device, ws):
         rows = torch.cat([torch.arange(int(step.qsl[b]), int(step.qsl[b + 1]), device=device) for b in requests])
         q, o = step.q[rows].contiguous(), out[rows].contiguous()
         if decode:
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws[len(pieces) - 1], "HND", use_tensor_cores=True)
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(ws[0], "HND", use_tensor_cores=True)
             w.plan(kv_indptr, indices, last, hq, hkv, d, PAGE_SIZE, q_data_type=torch.bfloat16, kv_data_type=dt,
                    **extra)
         else:
-            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[len(pieces) - 1], "HND")
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws[1], "HND")
             w.plan(qo_indptr, kv_indptr, indices, last, hq, hkv, d, PAGE_SIZE, causal=True,
                    q_data_type=torch.bfloat16, kv_data_type=dt, **extra)
         pieces.append(("decode" if decode else "prefill", lambda w=w, q=q, o=o: w.run(q, (kc, vc), out=o, **kw, **sinks)))
