@@ -226,7 +226,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         for name, t in (("q", q), ("out", out)):  # torch.compile the binding checks the kernel's inputs
             _check_rows_aligned(name, t)
     max_query_len, plan = _step_plan(batch, cache, group, query_start_loc, seq_lens, query_start_loc_cpu,
-                                     seq_lens_cpu, max_query_len, plan)
+                                     seq_lens_cpu, max_query_len, plan, sliding_window)
     if not 1 <= plan.num_splits <= capabilities.MAX_SPLITS:
         raise ValueError(f"plan.num_splits must lie in [1, {capabilities.MAX_SPLITS}], got {plan.num_splits}")
     decode_len = decode_share(max_query_len, group, cache.head_dim,
@@ -283,7 +283,7 @@ def _dense_plan(plan: AttentionPlan, q, cache, k_global_scale, softmax_scale, sl
 
 
 def _step_plan(batch, cache, group, query_start_loc, seq_lens, query_start_loc_cpu, seq_lens_cpu, max_query_len,
-               plan) -> tuple[int, AttentionPlan]:
+               plan, sliding_window) -> tuple[int, AttentionPlan]:
     """The call's longest query and its plan, the given ones or made here: from the host lengths where
     given (no GPU read), else from the device tensors (a synchronization)."""
     for name, t, n in (("seq_lens_cpu", seq_lens_cpu, batch), ("query_start_loc_cpu", query_start_loc_cpu, batch + 1)):
@@ -300,7 +300,7 @@ def _step_plan(batch, cache, group, query_start_loc, seq_lens, query_start_loc_c
         query_lens = None if query_start_loc_cpu is None else (qsl[1:] - qsl[:-1]).tolist()
         plan = planner.plan_attention(batch, cache.num_kv_heads, group, max(max_query_len, 1), max_seq_len,
                                       cache.head_dim, planner.num_sms(cache.device), token_major=cache.token_major,
-                                      device=cache.device, query_lens=query_lens)
+                                      device=cache.device, query_lens=query_lens, sliding_window=sliding_window)
     else:
         limit = capabilities.decode_query_len(group, cache.head_dim)
         if plan.decode_query_len is not None and not (isinstance(plan.decode_query_len, int)

@@ -142,6 +142,16 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
     return heads_per_block, splits
 
 
+def kv_tokens_read(max_seq_len: int, max_query_len: int, sliding_window: int | None) -> int:
+    """The most cache positions one request's rows read: the first row sees ``sliding_window``
+    positions and each later row one more (the decode kernel's range: csrc/decode_kernel.cuh)."""
+    if sliding_window is None:
+        return max_seq_len
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return min(max_seq_len, sliding_window + max(max_query_len, 1) - 1)
+
+
 def check_heads_per_block(name: str, group_size: int, max_query_len: int, heads_per_block: int, head_dim: int,
                           fused: bool) -> None:
     """Raises a ValueError naming ``name`` unless the kernel asked for (``fused`` or the static ones)
@@ -160,7 +170,8 @@ def check_heads_per_block(name: str, group_size: int, max_query_len: int, heads_
 def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_query_len: int,
                    max_seq_len: int, head_dim: int, num_sms: int = 132,
                    heads_per_block: int | None = None, token_major: bool = False,
-                   fused: bool | None = None, device=None, query_lens=None) -> AttentionPlan:
+                   fused: bool | None = None, device=None, query_lens=None,
+                   sliding_window: int | None = None) -> AttentionPlan:
     """Choose the split-KV count so batch x kv_heads x splits fills the GPU, and size the workspace.
 
     The split count is a function of host-known bounds only, so a captured graph stays valid for
@@ -178,6 +189,11 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
     NHD pages, SGLang's token rows; ``paged_attention``'s own plan and both plugins pass it).  A grid that would split then packs 2 kv heads per block where
     they fit: at D <= 128 both heads' rows of a token lie in one 128-byte line, which one block then
     reads at once (head-major pages lose by packing there: docs/decisions.md, planner).
+    ``sliding_window``: the window of the layers the plan serves (None: full attention).  A request's
+    rows then read at most ``kv_tokens_read`` positions, whatever its length, and the splits and the
+    fused kernel's choice are planned for those (the kernel divides the windowed range among the
+    splits).  Any plan is correct for any layer; a layer with a wider window than its plan's gets
+    fewer, longer splits than its own plan would give it.
     """
     if not (isinstance(num_sms, int) and num_sms > 0):
         raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
@@ -187,6 +203,7 @@ def plan_attention(batch_size: int, num_kv_heads: int, group_size: int, max_quer
         decode_query_len = max((int(n) for n in query_lens if 0 < int(n) <= limit), default=0)
         max_query_len = decode_query_len
     max_query_len = min(max_query_len, limit)
+    max_seq_len = kv_tokens_read(max_seq_len, max_query_len, sliding_window)
     if max_query_len < 1:
         return AttentionPlan(1, 0, decode_query_len=decode_query_len)
     if heads_per_block is not None:

@@ -180,3 +180,36 @@ def test_plan_from_query_lens_sizes_the_decode_share():
     assert dataclasses.replace(mixed, decode_query_len=None) == planner.plan_attention(65, 8, 4, 1, 14336, 128)
     assert planner.plan_attention(2, 8, 4, 2048, 14336, 128, query_lens=[2048, 700]).decode_query_len == 0
     assert planner.plan_attention(3, 8, 4, 2048, 14336, 128, query_lens=[3, 16, 17]).decode_query_len == 16
+
+
+@pytest.mark.parametrize("batch, kv_heads, group, q_len, head_dim", [(32, 8, 8, 1, 64), (1, 4, 7, 1, 128), (64, 8, 4, 4, 128),
+                                                                     (8, 8, 2, 1, 256)])
+@pytest.mark.parametrize("window", [1, 128, 4096, 1 << 20])
+def test_plan_for_a_window_is_the_plan_for_the_tokens_it_reads(batch, kv_heads, group, q_len, head_dim, window):
+    """A windowed layer's rows read at most window + q_len - 1 positions, whatever the request's
+    length: it is planned as a request of that length (fewer splits, and no fused kernel for short
+    ranges), and a window wider than the sequence changes nothing."""
+    seq_len = 8192
+    got = planner.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim, sliding_window=window)
+    read = min(seq_len, window + q_len - 1)
+    assert planner.kv_tokens_read(seq_len, q_len, window) == read
+    assert got == planner.plan_attention(batch, kv_heads, group, q_len, read, head_dim)
+    assert got.num_splits <= planner.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim).num_splits
+    if read <= planner.SPLIT_MIN_TOKENS:
+        assert got.num_splits == 1 and not got.fused
+
+
+def test_plan_for_gpt_oss_windowed_decodes_runs_one_static_split():
+    """gpt-oss's windowed layers (64 q / 8 kv heads, D 64, window 128): 32 decodes at 8K read 128
+    positions each, which the static kernel serves unsplit; unwindowed, the same step plans the
+    fused kernel over 8192 positions."""
+    full = planner.plan_attention(32, 8, 8, 1, 8192, 64, 132)
+    windowed = planner.plan_attention(32, 8, 8, 1, 8192, 64, 132, sliding_window=128)
+    assert full.fused
+    assert (windowed.num_splits, windowed.fused, windowed.workspace_bytes) == (1, False, 0)
+
+
+@pytest.mark.parametrize("window", [0, -5, 1.5, True, "128"])
+def test_plan_rejects_a_bad_sliding_window(window):
+    with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
+        planner.plan_attention(8, 8, 4, 1, 4096, 128, sliding_window=window)

@@ -114,7 +114,8 @@ class UniformBatch:
         plan = planner.plan_attention(self.batch_size, cache.num_kv_heads, q.shape[1] // cache.num_kv_heads, q_len,
                                       self.seq_len, cache.head_dim, heads_per_block=heads_per_block if q_len == 1 else None,
                                       token_major=cache.token_major, fused=fused, device=q.device,
-                                      query_lens=[q_len] * self.batch_size if dense else None)
+                                      query_lens=[q_len] * self.batch_size if dense else None,
+                                      sliding_window=features.get("sliding_window"))
         kg = self.kg
         if dense:
             engine = DensePrefill(q.device, q.shape[1], cache.num_kv_heads, cache.head_dim, q.dtype, q.shape[0])

@@ -116,7 +116,8 @@ def ours(step: Step, device, gen, dense: bool = False):
     scale = 1 / math.sqrt(mix.head_dim)
     max_q = max(step.new)
     plan = planner.plan_attention(len(step.new), mix.kv_heads, mix.q_heads // mix.kv_heads, max_q, int(step.seq_lens.max()),
-                              mix.head_dim, planner.num_sms(device), device=device, query_lens=step.new)
+                              mix.head_dim, planner.num_sms(device), device=device, query_lens=step.new,
+                              sliding_window=mix.window)
     kg_call = kg
     if dense:
         engine = DensePrefill(device, mix.q_heads, mix.kv_heads, mix.head_dim, step.q.dtype, step.q.shape[0])

@@ -52,6 +52,8 @@ class ForwardMetadata:
     extend_lens: list[int] | None = None  # an eager extend's host lengths, for the dense prefill
     seq_lens_host: list[int] | None = None
     dense_plans: dict[tuple, planner.AttentionPlan] = field(default_factory=dict)  # per (scale, window, cap)
+    plan_inputs: tuple = ()  # plan's (batch, max_query_len, max_seq_len, query_lens): windowed layers replan
+    window_plans: dict[int, planner.AttentionPlan] = field(default_factory=dict)
 
 
 class NVFP4XQABackend(AttentionBackend):
@@ -101,13 +103,27 @@ class NVFP4XQABackend(AttentionBackend):
         self.forward_metadata = None
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, batch: int, max_query_len: int, max_seq_len: int, query_lens=None) -> planner.AttentionPlan:
+    def _plan(self, batch: int, max_query_len: int, max_seq_len: int, query_lens=None,
+              sliding_window: int | None = None) -> planner.AttentionPlan:
         """The decode kernel's share of the step (its workspace is bounded by the decode kernel's rows);
         with an extend's host lengths, for the short requests only (longer ones take the prefill
         kernel, which needs no plan)."""
         return planner.plan_attention(batch, self.token_to_kv_pool.head_num, self.group_bound, max_query_len,
                                       max_seq_len, self.token_to_kv_pool.head_dim, self.num_sms,
-                                      token_major=True, device=self.device, query_lens=query_lens)  # token rows
+                                      token_major=True, device=self.device, query_lens=query_lens,  # token rows
+                                      sliding_window=sliding_window)
+
+    def _window_plan(self, md: ForwardMetadata, window: int | None) -> planner.AttentionPlan:
+        """The step's decode plan for a layer with this window: planned for the positions the window
+        lets a request read (SGLang's layers share one metadata, and gpt-oss alternates windowed and
+        full layers); the step's own plan where that one would need more workspace than the step holds
+        (a graph's workspace is sized for the unwindowed plans)."""
+        if window is None or not md.plan_inputs:
+            return md.plan
+        if window not in md.window_plans:
+            plan = self._plan(*md.plan_inputs, sliding_window=window)
+            md.window_plans[window] = plan if plan.workspace_bytes <= md.workspace.numel() else md.plan
+        return md.window_plans[window]
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""
@@ -128,14 +144,16 @@ class NVFP4XQABackend(AttentionBackend):
             max_q = max(fb.extend_seq_lens_cpu, default=0)
             qsl = torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens[:bs], 0, dtype=torch.int32), (1, 0))
         max_seq = int(fb.seq_lens_cpu[:bs].max()) if bs else 0
-        plan = self._plan(bs, max(max_q, 1), max_seq, None if mode.is_decode_or_idle() else fb.extend_seq_lens_cpu[:bs])
+        plan_inputs = (bs, max(max_q, 1), max_seq, None if mode.is_decode_or_idle() else list(fb.extend_seq_lens_cpu[:bs]))
+        plan = self._plan(*plan_inputs)
         if self._workspace.numel() < plan.workspace_bytes:  # grow-only scratch
             self._workspace = plan.allocate_workspace(self.device)
         extend = not mode.is_decode_or_idle()
         self.forward_metadata = ForwardMetadata(
             self._page_table(fb.req_pool_indices[:bs], math.ceil(max_seq / self.page_size)),
             seq_lens, qsl, max_q, plan, self._workspace,
-            list(fb.extend_seq_lens_cpu[:bs]) if extend else None, fb.seq_lens_cpu[:bs].tolist() if extend else None)
+            list(fb.extend_seq_lens_cpu[:bs]) if extend else None, fb.seq_lens_cpu[:bs].tolist() if extend else None,
+            plan_inputs=plan_inputs)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -169,7 +187,7 @@ class NVFP4XQABackend(AttentionBackend):
         if in_capture:
             self._graph[bs] = ForwardMetadata(
                 self._graph_block_table[:bs], self._graph_seq_lens[:bs], self._graph_qsl[:bs + 1], 1,
-                self._graph_plans[bs], self._graph_workspace)
+                self._graph_plans[bs], self._graph_workspace, plan_inputs=(bs, 1, self.max_context_len, None))
         elif bs not in self._graph:
             raise RuntimeError(f"{BACKEND_NAME}: replay of batch size {bs}, which was never captured")
         self.forward_metadata = self._graph[bs]
@@ -199,12 +217,14 @@ class NVFP4XQABackend(AttentionBackend):
         return self._dense
 
     def _step_plan(self, md: ForwardMetadata, layer, dtype, window: int | None) -> planner.AttentionPlan:
-        """The step's plan for this layer: with the dense prefill for its feature set where it applies."""
+        """The step's plan for this layer: for its window, with the dense prefill for its feature set
+        where it applies."""
+        plan = self._window_plan(md, window)
         if md.extend_lens is None or self._dense_prefill(layer, dtype) is None:
-            return md.plan
+            return plan
         features = (layer.scaling, window, layer.logit_cap or None)
         if features not in md.dense_plans:  # the first layer of this set in the step plans it
-            md.dense_plans[features] = self._dense.plan(md.plan, md.extend_lens, md.seq_lens_host,
+            md.dense_plans[features] = self._dense.plan(plan, md.extend_lens, md.seq_lens_host,
                                                         softmax_scale=layer.scaling, sliding_window=window,
                                                         logits_soft_cap=layer.logit_cap or None)
         return md.dense_plans[features]

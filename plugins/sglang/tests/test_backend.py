@@ -157,6 +157,28 @@ def test_cuda_graph_hooks_use_preallocated_buffers():
     assert_close(h.run_step(replay, graph_metadata=True))
 
 
+def test_windowed_layers_plan_for_the_tokens_they_read():
+    """Layers share one metadata: a windowed layer's decode plan is made for the positions its window
+    lets a request read (no splits here, where the full layers' graph plan splits a 64K context),
+    once per window and step, and the step still matches dense attention."""
+    from nvfp4_backend import planner
+    h = Harness(page_size=4, max_context=65536, layers=[{"sliding_window_size": 6}, {}])
+    h.run_step(h.batch({1: 5, 2: 9}))
+    b = h.backend
+    b.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    capture = h.batch({1: 1, 2: 1}, decode=True, pad_to=4)
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    b.init_forward_metadata_in_graph(capture)
+    assert_close(h.run_step(capture, graph_metadata=True))
+    md = b.forward_metadata
+    assert set(md.window_plans) == {7}
+    assert md.window_plans[7] == planner.plan_attention(4, 2, 4, 1, 65536, 64, b.num_sms, token_major=True,
+                                                        device=b.device, sliding_window=7)
+    assert md.window_plans[7].num_splits == 1 < md.plan.num_splits
+    assert_close(h.run_step(h.batch({1: 3, 2: 1}), graph_metadata=False))  # an eager extend plans its own
+    assert set(b.forward_metadata.window_plans) == {7} and b.forward_metadata.window_plans[7].num_splits == 1
+
+
 def test_graph_capture_rejects_non_decode():
     h = Harness()
     h.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2)

@@ -195,6 +195,11 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         # The layout the engine core resolved (unset in tools and tests: then our first choice, head-major).
         layout = vllm_config.cache_config.kv_cache_layout
         self.token_major = layout is not None and KVCacheLayout[layout] in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        # The decode plan serves every layer of the group: planned for the tokens their window lets a
+        # request read where they share one (vLLM's hybrid KV manager groups windowed layers apart).
+        windows = {layer.impl.sliding_window for layer in layers.values()}
+        self.sliding_window = windows.pop() if len(windows) == 1 else None
         # NOTE: one workspace for every step and every captured graph, sized for the worst plan
         # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
         # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
@@ -203,14 +208,13 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
                  for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if q_kernel else []
         worst = max(plans, key=lambda p: p.workspace_bytes, default=planner.AttentionPlan(1, 0))
         self.workspace = worst.allocate_workspace(device)
-        self.dense, self.dense_features = self._dense_prefill(vllm_config, layer_names, torch.device(device))
+        self.dense, self.dense_features = self._dense_prefill(vllm_config, layers, torch.device(device))
 
-    def _dense_prefill(self, vllm_config, layer_names: list[str], device: torch.device):
+    def _dense_prefill(self, vllm_config, layers: dict, device: torch.device):
         """The core's dense prefill for this group's long requests, with the layers' distinct (scale,
         window, soft cap) (each planned per step); (None, None) where it does not apply, and the
         prefill kernel serves them."""
         reason = dense_unavailable_reason(device)
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
         features = {layer.impl.dense_features for layer in layers.values()}
         if reason is None and configured_kv_mode().rotation != "none":
             reason = "a Hadamard KV mode (the prefill kernel rotates in registers; 16-bit rows would round once more)"
@@ -246,7 +250,8 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         if not decode_supports(self.group_size, max_query_len, self.head_size):
             return planner.AttentionPlan(num_splits=1, workspace_bytes=0)  # the prefill kernel needs no plan
         return planner.plan_attention(batch, self.num_kv_heads, self.group_size, max_query_len, max_seq_len,
-                                      self.head_size, self.num_sms, token_major=self.token_major, device=self.device)
+                                      self.head_size, self.num_sms, token_major=self.token_major, device=self.device,
+                                      sliding_window=self.sliding_window)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
               max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:

@@ -280,6 +280,24 @@ def test_layers_with_different_windows_each_get_their_plan(make_config, monkeypa
     assert plans[full.impl.dense_features].prefill.sliding_window is None
 
 
+@pytest.mark.parametrize("windows, planned", [((24, 24), 24), ((24, None), None), ((None,), None)])
+def test_decode_plan_follows_the_groups_common_window(make_config, windows, planned):
+    # vLLM's hybrid KV manager puts gpt-oss's windowed layers in a group of their own: its builder plans
+    # the decodes for the tokens the window lets them read; a group of mixed windows plans the full range.
+    from nvfp4_backend import planner
+    config = make_config()
+    layers = [make_layer(config, per_layer_sliding_window=w) for w in windows]
+    spec = customize_attention_spec(Backend, layers[0].get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name for layer in layers], config, torch.device("cpu"))
+    assert builder.sliding_window == planned
+    cm = Step(BATCHES["mixed"], spec.block_size, "cpu", torch.Generator().manual_seed(0)).metadata()
+    assert builder.build(0, cm).decode.plan == planner.plan_attention(2, 2, 4, 1, cm.max_seq_len, 128,
+                                                                      sliding_window=planned)
+    assert builder._plan(4, 1, 131072) == planner.plan_attention(4, 2, 4, 1, 131072, 128, sliding_window=planned)
+    if planned:
+        assert builder._plan(4, 1, 131072).num_splits < planner.plan_attention(4, 2, 4, 1, 131072, 128).num_splits
+
+
 def test_dense_prefill_off_where_the_core_says(make_config, vllm_log):
     config = make_config()
     layer = make_layer(config)
