@@ -52,6 +52,9 @@ MODULES = [
     ("fa2", "bfloat16", "float8_e4m3fn", 64, True, False),
     ("fa2", "bfloat16", "uint8", 64, True, False),
     ("page",),  # FlashInfer's append (BF16/FP8 and NVFP4 quantize-on-write): bench --step
+    # the dense path under the fuzz harness's fixed seeds (tests/gpu/test_decode.py): fp16 at D 64 and 256
+    ("fa3", "float16", "float16", 64, False, False),
+    ("fa3", "float16", "float16", 256, False, False),
 ]
 
 

@@ -73,6 +73,39 @@ def test_catches_a_wrong_attention_result(monkeypatch, dtype, max_context):
     assert not rec["ok"] and "relative L2 error" in rec["failure"]
 
 
+DENSE = dict(max_context=300, max_elements=1 << 20)
+
+
+def test_draws_the_dense_prefill_in_one_pass_and_in_several():
+    """Extends draw the dense prefill (on the CPU its dequantize and fp64 kernel), and small
+    workspaces make it merge several passes; a replay draws the same."""
+    dense = [c for c in map(lambda s: fuzz.generate(s, **DENSE), range(400)) if c.dense]
+    assert dense and all(max(c.q_lens) > fuzz.capabilities.decode_query_len(c.group, c.head_dim) for c in dense)
+    paths = {}
+    for cfg in dense[:12] + [c for c in dense if c.dense_rows is not None][:6]:
+        rec = fuzz.run_config(cfg, CPU)
+        assert rec["ok"], rec
+        paths[cfg.seed] = rec["path"]
+    assert any(p.startswith("reference+dense(1 passes)") for p in paths.values())
+    assert any("dense(" in p and not p.endswith("(1 passes)") for p in paths.values()), paths
+
+
+def test_catches_a_wrong_dense_prefill_result(monkeypatch):
+    """The dense path's output is what the fuzz checks: 1 % off on its rows fails."""
+    real = fuzz.dense_prefill.run
+
+    def off_by_one_percent(plan, out, *args):
+        real(plan, out, *args)
+        out[plan.first_row:plan.last_row].mul_(1.01)
+
+    cfg = next(c for c in map(lambda s: fuzz.generate(s, **DENSE), range(400))
+               if c.dense and c.sliding_window is None and c.dtype == "float16")
+    assert "dense" in fuzz.run_config(cfg, CPU)["path"]
+    monkeypatch.setattr(fuzz.dense_prefill, "run", off_by_one_percent)
+    rec = fuzz.run_config(cfg, CPU)
+    assert not rec["ok"] and "relative L2 error" in rec["failure"]
+
+
 def test_fp16_weight_allowance_rejects_flushing_a_weight_the_kernel_keeps():
     """Seed 22 (an H200 failure before the weights were biased by 2^15): all weight on a zero-V
     token, a context weight of 2^-32.7.  Unbiased fp16 weights flushed it and returned 0 where the

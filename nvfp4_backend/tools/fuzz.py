@@ -4,7 +4,9 @@ Each configuration comes from one integer seed (``generate(seed)``), so a failur
 ``nvfp4-backend fuzz --replay SEED``.  A configuration draws batch size, ragged sequence lengths
 (log-uniform up to ``--max-context``), page size, head dim, kv heads, GQA group, query tokens per
 request (decode, speculative, short extend), layout, window, soft-cap, sinks, query dtype,
-global scales over seven decades, CUDA-graph style padding entries and padded query rows.
+global scales over seven decades, CUDA-graph style padding entries and padded query rows, and for
+extends the dense prefill path (``dense_prefill``, its workspace sometimes small enough to take
+several passes merged by log-sum-exp).
 
 Per configuration it checks, on the chosen device:
   * the new tokens' K/V written by ``ops.write_kv`` equal the CPU reference quantizer bit for bit;
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import capabilities, ops, planner, reference
+from .. import capabilities, dense_prefill, ops, planner, reference
 from .. import format as fmt
 from ..layout import LAYOUTS, PagedKVCache
 
@@ -57,6 +59,8 @@ class FuzzConfig:
     value_amplitude: float
     heads_per_block: int = 1  # kv heads per decode thread block (the planner packs only big grids)
     fused: bool = False  # the fused kernel (the planner picks it only for grids of about one block per SM)
+    dense: bool = False  # the long requests on the dense prefill (where the device offers it), at any size
+    dense_rows: int | None = None  # its workspace's K/V rows (None: dense_prefill.WORKSPACE_BYTES)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -69,7 +73,8 @@ class FuzzConfig:
                 f"G={self.group} q={max(self.q_lens, default=0)} ps={self.page_size} {self.layout} {self.dtype} "
                 f"win={self.sliding_window} cap={self.logits_soft_cap} sinks={self.sinks} "
                 f"kg={self.k_scale:.3g} vg={self.v_scale:.3g} heads/block={self.heads_per_block}"
-                + (" fused" if self.fused else ""))
+                + (" fused" if self.fused else "")
+                + (f" dense(rows={self.dense_rows})" if self.dense else ""))
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -127,6 +132,12 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
     fused_heads = rng.choice([1, 2, 4, 8])
     if rng.random() < 0.3 and capabilities.fused_allowed(head_dim, group, max(q_lens), fused_heads):
         cfg.fused, cfg.heads_per_block = True, fused_heads
+    # and then the dense prefill, for configurations with requests past the decode kernel's share: a
+    # workspace of the queries plus a random share of the longest context takes several passes
+    dense, small_workspace = rng.random() < 0.5, rng.random() < 0.5
+    extra_rows = rng.randint(0, max(seq_lens))
+    if dense and max(q_lens) > capabilities.decode_query_len(group, head_dim):
+        cfg.dense, cfg.dense_rows = True, sum(q_lens) + extra_rows if small_workspace else None
     return cfg
 
 
@@ -211,7 +222,11 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     args = (q, cache, table, seq, qsl_dev, kg, vg, cfg.softmax_scale)
     # the plan the op would make itself, made here so the record says which one ran
     plan = planner.plan_attention(cfg.batch, hkv, cfg.group, max(cfg.q_lens), max(cfg.seq_lens), d, planner.num_sms(device),
-                                  heads_per_block=cfg.heads_per_block, fused=cfg.fused)
+                                  heads_per_block=cfg.heads_per_block, fused=cfg.fused, sliding_window=cfg.sliding_window)
+    dense_reason = None if device.type == "cpu" else dense_prefill.unavailable_reason(device)
+    if cfg.dense and dense_reason is None:
+        plan = _dense_plan(cfg, plan, device, dtype)
+        args = args[:5] + (float(kg.cpu()),) + args[6:]  # the dense path takes the K scale on the host
     kw = dict(max_query_len=max(cfg.q_lens), sliding_window=cfg.sliding_window,
               logits_soft_cap=cfg.logits_soft_cap, sinks=sinks, plan=plan)
     out = torch.full_like(q, float("nan"))
@@ -220,6 +235,11 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     ops.paged_attention(*args, out=again, **kw)
     path = "reference" if device.type != "cuda" else (
         "decode" if capabilities.decode_supports(cfg.group, max(cfg.q_lens), d) else "decode+prefill")
+    if plan.prefill is not None and (device.type == "cpu" or capabilities.decode_kernel_serves(
+            cache.k_data, cache.k_block_scales, cache.v_data)):  # where ops runs it (ops._dense_plan)
+        path += f"+dense({len(plan.prefill.passes)} passes)"
+    elif cfg.dense and dense_reason is not None:
+        rec["dense_off"] = dense_reason
     rec.update(path=path, splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
     got = out[:rows]
     if not torch.isfinite(got).all():
@@ -261,6 +281,18 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
         return dict(rec, ok=False, failure=f"relative L2 error {worst:.3g} is past {TOLERANCE} (+ output rounding) "
                                            "vs the fp64 reference (+ the fp16 subnormal-weight allowance)")
     return dict(rec, ok=True)
+
+
+def _dense_plan(cfg: FuzzConfig, plan: planner.AttentionPlan, device: torch.device, dtype: torch.dtype):
+    """``plan`` with the long requests on the dense prefill, planned whatever their work (min_flops 0),
+    in a workspace of ``cfg.dense_rows`` K/V rows; unchanged where the step does not fit it."""
+    hq, rows = cfg.num_kv_heads * cfg.group, sum(cfg.q_lens)
+    row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    workspace = dense_prefill.WORKSPACE_BYTES if cfg.dense_rows is None else cfg.dense_rows * row_bytes
+    engine = dense_prefill.DensePrefill(device, hq, cfg.num_kv_heads, cfg.head_dim, dtype, rows, workspace)
+    engine.min_flops = 0
+    return engine.plan(plan, cfg.q_lens, cfg.seq_lens, softmax_scale=cfg.softmax_scale,
+                       sliding_window=cfg.sliding_window, logits_soft_cap=cfg.logits_soft_cap)
 
 
 def add_arguments(p) -> None:
@@ -307,7 +339,8 @@ def run(args) -> int:
           f"worst relative error {max(errs, default=float('nan')):.2e}; "
           f"most of the error bound used {max(used, default=float('nan')):.2f}; "
           f"paths: decode kernel {sum(r.get('path') == 'decode' for r in records)}, "
-          f"with the prefill kernel {sum(r.get('path') == 'decode+prefill' for r in records)}; "
+          f"with the prefill kernel {sum(r.get('path') == 'decode+prefill' for r in records)}, "
+          f"with the dense prefill {sum('dense' in r.get('path', '') for r in records)}; "
           f"split-KV {sum(r.get('splits', 1) > 1 for r in records)}")
     if failures:
         print(f"first failing seed: {failures[0]['seed']} (replay: nvfp4-backend fuzz --replay "
