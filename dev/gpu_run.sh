@@ -115,6 +115,17 @@ case $mode in
     grep -E "paged_decode_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
 esac
 case $mode in
+  profile-step)  # issue 34: one engine step's host time, kernel times and Nsight Compute of its prefill and
+                 # decode kernels (STEP_MIXES: indices into bench_step.MIXES)
+    python3 dev/profile_step.py --mixes ${STEP_MIXES:-1,5} 2>&1 | tee "$OUT/profile_step.log" | grep -E "^\[|paged_|write_kv|Self CUDA time"
+    ncu --set full --import-source yes --profile-from-start off -k regex:"paged_prefill|paged_decode" -f \
+      -o "$OUT/profile_step" python3 dev/profile_step.py --mixes ${STEP_MIXES:-1,5} --ncu 2>&1 | tail -3
+    ncu --import "$OUT/profile_step.ncu-rep" --page details > "$OUT/profile_step.txt" 2>&1
+    ncu --import "$OUT/profile_step.ncu-rep" --page source --csv --print-source sass > "$OUT/profile_step_sass.csv" 2>&1
+    grep -E "paged_prefill|paged_decode|^    Duration|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Stall" \
+      "$OUT/profile_step.txt" | head -80 ;;
+esac
+case $mode in
   ab)  # the tree against the revisions in ab/ (dev/ab_export.sh; carry ["ab"]), each its own build,
        # AB_ROUNDS rounds of tree, revisions... (builds are kept between rounds), then the tree again:
        # in one call the order alone moves a result 1-3 %, so alternate and compare rounds.
