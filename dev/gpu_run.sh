@@ -57,7 +57,17 @@ case $mode in
       | grep -v "INFO" | tee "$OUT/bench_prefill_features.log" | tail -12 ;;
   step)  # issue 34: the engine-step mixes, ours (prefill kernel in graphs, dense path eagerly) and FlashInfer's
     python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} --iters ${ITERS:-10} --out "$OUT/bench_step.json" 2>&1 \
-      | grep -v "INFO" | tee "$OUT/bench_step.log" | tail -12 ;;
+      | grep -v "INFO" | tee "$OUT/bench_step.log" | tail -12
+    # STEP_VARIANTS: nvcc flags per variant, ';'-separated (each its own build), ours only, e.g.
+    # STEP_VARIANTS="-DNVFP4_PREFILL_MIN_BLOCKS_HD64=3"; then the tree again, to bound the drift
+    if [ -n "$STEP_VARIANTS" ]; then
+      IFS=';' read -ra variants <<< "$STEP_VARIANTS"
+      for v in "${variants[@]}" ""; do
+        NVFP4_BACKEND_NVCC_FLAGS="$v" python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} --no-peers \
+          --iters ${ITERS:-10} --out "$OUT/bench_step_variant.json" 2>&1 | grep -v "INFO" | sed "s/^/[${v:-tree}] /" \
+          | tee -a "$OUT/bench_step_variants.log" | tail -8
+      done
+    fi ;;
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.tools.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
