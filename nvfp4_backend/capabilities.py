@@ -64,6 +64,14 @@ def prefill_rows(head_dim: int) -> int:
     return PREFILL_ROWS.get(head_dim, 0)
 
 
+def kernels_serve_any_batch(group_size: int, head_dim: int) -> bool:
+    """Whether one call on the kernels serves any batch of this shape, every mix of decodes, spec rows
+    and prefill chunks, without the host: the decode kernel holds a one-token request's rows and the
+    prefill kernel the longer ones.  Such a call captures in a CUDA graph that replays any batch
+    written into the same buffers (an engine's FULL graphs for mixed batches)."""
+    return decode_supports(group_size, 1, head_dim) and group_size <= prefill_rows(head_dim)
+
+
 def _power_of_two(n: int) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 

@@ -31,3 +31,14 @@ def test_decode_supports_the_rows_of_one_block(group, q_len, head_dim, supported
     """The decode kernel holds up to DECODE_MAX_ROWS query rows per (request, kv head): 64 at D 64 and
     128, 32 at D 256, none at a head dim it is not built for."""
     assert capabilities.decode_supports(group, q_len, head_dim) == supported
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("group_size", [1, 4, 8, 16, 32, 64, 128])
+def test_kernels_serve_any_batch_where_both_kernels_hold_the_group(head_dim, group_size):
+    """A shape whose one-token requests fit a decode block and whose group fits a prefill block: any
+    mix of a batch runs in one call (an engine's FULL graph of a mixed batch)."""
+    want = 0 < group_size <= capabilities.decode_max_rows(head_dim) and group_size <= capabilities.prefill_rows(head_dim)
+    assert capabilities.kernels_serve_any_batch(group_size, head_dim) == want
+    assert capabilities.kernels_serve_any_batch(group_size, head_dim) == (
+        capabilities.decode_supports(group_size, 1, head_dim) and head_dim in capabilities.SUPPORTED_HEAD_DIMS)

@@ -26,7 +26,6 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
-    max_decode_query_len,
 )
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
@@ -37,7 +36,8 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from nvfp4_backend import PagedKVCache, ops, planner
 from nvfp4_backend import format as fmt
-from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_supports, kernels_available, unavailable_reason
+from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_query_len, decode_supports, kernels_available, \
+    kernels_serve_any_batch, unavailable_reason
 from nvfp4_backend.dense_prefill import DensePrefill
 from nvfp4_backend.dense_prefill import unavailable_reason as dense_unavailable_reason
 from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
@@ -50,14 +50,6 @@ MIN_CAPABILITY = (8, 0)  # the kernels use SM80 mma.sync (bf16/fp16)
 
 # Under vLLM's "vllm" logger: vLLM configures only that tree, so an INFO line elsewhere is dropped.
 logger = init_logger(f"vllm.{__name__}")
-
-
-def kernel_max_query_len(group_size: int, head_size: int) -> int:
-    """Longest per-request query the CUDA decode kernel serves (0: none); longer ones go dense."""
-    q = 0
-    while decode_supports(group_size, q + 1, head_size):
-        q += 1
-    return q
 
 
 class Nvfp4XqaBackend(AttentionBackend):
@@ -171,8 +163,8 @@ class Nvfp4XqaMetadata:
 
 
 class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
-    # FULL graphs for uniform decode / spec-decode batches (get_cudagraph_support narrows it).
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # FULL graphs for any batch, mixed ones included (get_cudagraph_support narrows it by shape).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -203,9 +195,9 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         # NOTE: one workspace for every step and every captured graph, sized for the worst plan
         # any step can make: up to max_num_seqs requests, the longest query the kernel serves,
         # max_model_len tokens.  Plans are host-side and graph-baked, so it must never move.
-        q_kernel = kernel_max_query_len(self.group_size, self.head_size)
-        plans = [self._plan(b, q_kernel, self.max_model_len)
-                 for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if q_kernel else []
+        self.decode_query_len = decode_query_len(self.group_size, self.head_size)
+        plans = [self._plan(b, self.decode_query_len, self.max_model_len)
+                 for b in range(1, vllm_config.scheduler_config.max_num_seqs + 1)] if self.decode_query_len else []
         worst = max(plans, key=lambda p: p.workspace_bytes, default=planner.AttentionPlan(1, 0))
         self.workspace = worst.allocate_workspace(device)
         self.dense, self.dense_features = self._dense_prefill(vllm_config, layers, torch.device(device))
@@ -236,14 +228,13 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # FULL graphs for uniform batches the decode kernel holds.  Longer spec rows would run on the prefill
-        # kernel, which captures too (tests/gpu/test_extend.py) but is not yet checked under vLLM's FULL graphs.
+        # One call serves any mix without the host (the decode kernel, then the prefill kernel for longer
+        # requests: tests/gpu/test_extend.py replays such a graph with new lengths), so FULL graphs hold
+        # mixed batches too (build_for_cudagraph_capture); shapes the kernels do not serve get none.
         heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         group = heads // kv_cache_spec.num_kv_heads
-        if decode_supports(group, max_decode_query_len(vllm_config), kv_cache_spec.head_size):
-            return AttentionCGSupport.UNIFORM_BATCH
-        if decode_supports(group, 1, kv_cache_spec.head_size):
-            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if kernels_serve_any_batch(group, kv_cache_spec.head_size):
+            return AttentionCGSupport.ALWAYS
         return AttentionCGSupport.NEVER
 
     def _plan(self, batch: int, max_query_len: int, max_seq_len: int) -> planner.AttentionPlan:
@@ -254,10 +245,12 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
                                       sliding_window=self.sliding_window)
 
     def _call(self, cm: CommonAttentionMetadata, reqs: tuple[int, int], tokens: tuple[int, int],
-              max_query_len: int, max_seq_len: int) -> Nvfp4AttentionCall:
+              max_query_len: int, max_seq_len: int, plan_query_len: int | None = None) -> Nvfp4AttentionCall:
+        """A call over requests ``reqs`` and query rows ``tokens``; its decode plan is made for
+        ``plan_query_len`` (default ``max_query_len``) tokens per request."""
         (r0, r1), (t0, t1) = reqs, tokens
         qsl = cm.query_start_loc[r0:r1 + 1]
-        plan = self._plan(r1 - r0, max_query_len, max_seq_len)
+        plan = self._plan(r1 - r0, max_query_len if plan_query_len is None else plan_query_len, max_seq_len)
         if plan.workspace_bytes > self.workspace.numel():
             raise RuntimeError(f"{BACKEND_NAME}: plan needs {plan.workspace_bytes} workspace bytes, "
                                f"{self.workspace.numel()} were preallocated (max_num_seqs / max_model_len changed?)")
@@ -297,7 +290,17 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Nvfp4XqaMetadata:
         # NOTE: the split-KV count is baked into the captured graph, so plan for the longest
         # sequence the graph may ever replay, not for the dummy lengths of the capture batch.
-        return self.build(0, common_attn_metadata, max_seq_len=self.max_model_len, capturing=True)
+        cm = common_attn_metadata
+        if cm.max_query_len <= self.reorder_batch_threshold:  # a uniform decode graph: decode rows only
+            return self.build(0, cm, max_seq_len=self.max_model_len, capturing=True)
+        # A mixed batch's graph (cudagraph_mode FULL): vLLM captures it on a dummy batch whose
+        # max_query_len is its token count (its requests may all look like decodes) and replays it for
+        # any mix written into the same buffers.  So one call over every request and token, on views of
+        # those buffers: the decode kernel, planned for the longest context, then the prefill kernel,
+        # which max_query_len puts in the graph and which finds the long requests on the device.
+        call = self._call(cm, (0, cm.num_reqs), (0, cm.num_actual_tokens), cm.max_query_len, self.max_model_len,
+                          plan_query_len=min(cm.max_query_len, self.decode_query_len))
+        return Nvfp4XqaMetadata(cm.num_actual_tokens, cm.slot_mapping, None, call, self.workspace)
 
 
 class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):

@@ -128,8 +128,10 @@ class Step:
             seq_lens_cpu_upper_bound=torch.tensor(self.seq_lens, dtype=torch.int32))
 
 
-def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtype=torch.bfloat16, seed: int = 0):
-    """Write the context, then one step's K/V, then attention; return everything needed to check."""
+def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtype=torch.bfloat16, seed: int = 0,
+             graph_reqs: int | None = None):
+    """Write the context, then one step's K/V, then attention; return everything needed to check.
+    ``graph_reqs``: run it as a FULL graph of that many requests replays it (``replayed_metadata``)."""
     gen = torch.Generator().manual_seed(seed)
     spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
     raw, (other_layer, kv_cache) = make_kv_caches(spec, layout, device)
@@ -154,7 +156,7 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
     v_step = torch.cat([v[ctx:], pad_kv]).to(device)
     cm = step.metadata()
     builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device(device))
-    metadata = builder.build(0, cm)
+    metadata = builder.build(0, cm) if graph_reqs is None else replayed_metadata(builder, cm, new + PAD_TOKENS, graph_reqs)
     impl.do_kv_cache_update(layer, k_step, v_step, kv_cache, slot_mapping)
     output = torch.full((new + PAD_TOKENS, h, d), float("nan"), dtype=dtype, device=device)
     impl.forward(layer, q.to(device), k_step, v_step, kv_cache, metadata, output)
@@ -166,6 +168,31 @@ def run_step(config, layer, layout: KVCacheLayout, batch: str, device: str, dtyp
         c0, n0 = c0 + c, n0 + qn
     return dict(step=step, metadata=metadata, kv_cache=kv_cache, output=output.cpu(), q=q, k=k, v=v, order=order, ctx=ctx,
                 other_before=other_before, other_after=other_layer, k_scale=0.5, v_scale=0.25)
+
+
+def replayed_metadata(builder, cm: CommonAttentionMetadata, num_tokens: int, num_reqs: int):
+    """What a FULL graph of a mixed batch (``num_tokens`` rows, ``num_reqs`` requests) runs when it
+    replays ``cm``: metadata built at capture from vLLM's dummy batch for that size (its token count
+    as max_query_len, the tokens spread evenly, ``_dummy_run``), on buffers into which the real
+    step is then written as vLLM's runner writes it (padding requests: no tokens, no positions)."""
+    n = cm.num_reqs
+    assert n <= num_reqs and cm.num_actual_tokens <= num_tokens
+    dummy = [num_tokens // num_reqs] * num_reqs
+    dummy[-1] += num_tokens % num_reqs
+    qsl = torch.tensor([0, *torch.tensor(dummy).cumsum(0).tolist()], dtype=torch.int32, device=cm.seq_lens.device)
+    seq_lens = torch.tensor(dummy, dtype=torch.int32, device=qsl.device)
+    table = torch.zeros(num_reqs, cm.block_table_tensor.shape[1], dtype=torch.int32, device=qsl.device)
+    capture = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=seq_lens, num_reqs=num_reqs,
+        num_actual_tokens=num_tokens, max_query_len=num_tokens, max_seq_len=num_tokens, block_table_tensor=table,
+        slot_mapping=cm.slot_mapping, seq_lens_cpu_upper_bound=seq_lens.cpu())
+    metadata = builder.build_for_cudagraph_capture(capture)
+    qsl[:n + 1].copy_(cm.query_start_loc)
+    qsl[n + 1:] = cm.num_actual_tokens
+    seq_lens[:n].copy_(cm.seq_lens)
+    seq_lens[n:] = 0
+    table[:n].copy_(cm.block_table_tensor)
+    return metadata
 
 
 def stored(x, mode: KVMode):
@@ -296,6 +323,34 @@ def test_decode_plan_follows_the_groups_common_window(make_config, windows, plan
     assert builder._plan(4, 1, 131072) == planner.plan_attention(4, 2, 4, 1, 131072, 128, sliding_window=planned)
     if planned:
         assert builder._plan(4, 1, 131072).num_splits < planner.plan_attention(4, 2, 4, 1, 131072, 128).num_splits
+
+
+@pytest.mark.parametrize("batch", ["mixed", "prefill", "decode", "short_extends"])
+@pytest.mark.parametrize("graph_reqs", [8, None])
+def test_a_mixed_full_graph_replays_any_batch(make_config, batch, graph_reqs):
+    # cudagraph_mode FULL (AttentionCGSupport.ALWAYS): one graph per token count, captured on a dummy
+    # batch (8 requests, or one per token as vLLM makes it when max_num_seqs allows) and replayed for
+    # whatever step vLLM writes into its buffers: one call over every request, on views of them.
+    config = make_config()
+    layer = make_layer(config, per_layer_sliding_window=24, logits_soft_cap=30.0)
+    num_tokens = sum(q for _, q in BATCHES[batch]) + PAD_TOKENS
+    reqs = graph_reqs or min(num_tokens, config.scheduler_config.max_num_seqs)
+    r = run_step(config, layer, KVCacheLayout.LBHNC, batch, "cpu", graph_reqs=reqs)
+    check_step(r, layer, window=24, soft_cap=30.0)
+    md = r["metadata"]
+    assert md.decode is None and (md.prefill.token_start, md.prefill.token_end) == (0, num_tokens)
+    assert md.prefill.max_query_len == num_tokens and md.prefill.dense_plans == {}
+    assert md.prefill.plan.decode_query_len is None and md.prefill.plan.workspace_bytes <= md.workspace.numel()
+
+
+def test_a_uniform_decode_graph_keeps_the_decode_call(make_config):
+    # FULL_AND_PIECEWISE's decode graphs (max_query_len at the reorder threshold): no prefill kernel in them
+    config = make_config()
+    layer = make_layer(config)
+    spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
+    builder = Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu"))
+    md = builder.build_for_cudagraph_capture(Step(BATCHES["decode"], 16, "cpu", torch.Generator()).metadata())
+    assert md.prefill is None and md.decode.max_query_len == 1
 
 
 def test_dense_prefill_off_where_the_core_says(make_config, vllm_log):
