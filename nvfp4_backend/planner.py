@@ -147,8 +147,10 @@ def kv_tokens_read(max_seq_len: int, max_query_len: int, sliding_window: int | N
     positions and each later row one more (the decode kernel's range: csrc/decode_kernel.cuh)."""
     if sliding_window is None:
         return max_seq_len
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")  # as ops says
+    if sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     return min(max_seq_len, sliding_window + max(max_query_len, 1) - 1)
 
 

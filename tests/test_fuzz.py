@@ -90,6 +90,26 @@ def test_draws_the_dense_prefill_in_one_pass_and_in_several():
     assert any("dense(" in p and not p.endswith("(1 passes)") for p in paths.values()), paths
 
 
+def test_the_record_names_the_kernels_ops_runs_on_a_gpu():
+    """The GPU path label follows ops: a dense plan takes the long requests (the prefill kernel does
+    not run), the decode kernel only where short requests remain; without one, the prefill kernel
+    takes what the decode kernel cannot hold."""
+    from nvfp4_backend import planner
+    from nvfp4_backend.layout import PagedKVCache
+    gpu, cache = torch.device("cuda"), PagedKVCache.allocate(4, 16, 2, 64, "HND", "cpu")
+    cfg = fuzz.generate(1, **DENSE)
+    cfg.q_lens, cfg.seq_lens, cfg.group, cfg.num_kv_heads, cfg.head_dim = [1, 40], [30, 40], 4, 2, 64
+    base = planner.plan_attention(2, 2, 4, 40, 40, 64)
+    assert fuzz._path(cfg, base, cache, gpu) == "decode+prefill"
+    assert fuzz._path(cfg, fuzz._dense_plan(cfg, base, CPU, torch.bfloat16), cache, gpu) == "decode+dense(1 passes)"
+    cfg.q_lens, cfg.seq_lens = [40, 20], [40, 30]
+    assert fuzz._path(cfg, fuzz._dense_plan(cfg, base, CPU, torch.bfloat16), cache, gpu) == "dense(1 passes)"
+    cfg.q_lens = [1, 1]
+    assert fuzz._path(cfg, planner.plan_attention(2, 2, 4, 1, 40, 64), cache, gpu) == "decode"
+    odd = PagedKVCache.allocate(4, 12, 2, 64, "HND", "cpu")  # page size not a power of two
+    assert fuzz._path(cfg, base, odd, gpu) == "prefill"
+
+
 def test_catches_a_wrong_dense_prefill_result(monkeypatch):
     """The dense path's output is what the fuzz checks: 1 % off on its rows fails."""
     real = fuzz.dense_prefill.run

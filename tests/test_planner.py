@@ -194,6 +194,8 @@ def test_plan_for_a_window_is_the_plan_for_the_tokens_it_reads(batch, kv_heads, 
     read = min(seq_len, window + q_len - 1)
     assert planner.kv_tokens_read(seq_len, q_len, window) == read
     assert got == planner.plan_attention(batch, kv_heads, group, q_len, read, head_dim)
+    assert got.num_splits <= max(1, math.ceil(read / planner.SPLIT_MIN_TOKENS))  # no split shorter than the minimum
+    assert not (got.fused and read < got.num_splits * planner.FUSED_MIN_TOKENS)
     assert got.num_splits <= planner.plan_attention(batch, kv_heads, group, q_len, seq_len, head_dim).num_splits
     if read <= planner.SPLIT_MIN_TOKENS:
         assert got.num_splits == 1 and not got.fused
@@ -209,7 +211,9 @@ def test_plan_for_gpt_oss_windowed_decodes_runs_one_static_split():
     assert (windowed.num_splits, windowed.fused, windowed.workspace_bytes) == (1, False, 0)
 
 
-@pytest.mark.parametrize("window", [0, -5, 1.5, True, "128"])
-def test_plan_rejects_a_bad_sliding_window(window):
-    with pytest.raises(ValueError, match="sliding_window must be a positive int or None"):
+@pytest.mark.parametrize("window, error", [(0, ValueError), (-5, ValueError), (1.5, TypeError), (True, TypeError),
+                                           ("128", TypeError)])
+def test_plan_rejects_a_bad_sliding_window(window, error):
+    """As ops.paged_attention rejects it: TypeError for what is not an int, ValueError for <= 0."""
+    with pytest.raises(error, match="sliding_window must be"):
         planner.plan_attention(8, 8, 4, 1, 4096, 128, sliding_window=window)

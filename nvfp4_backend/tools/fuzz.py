@@ -5,8 +5,8 @@ Each configuration comes from one integer seed (``generate(seed)``), so a failur
 (log-uniform up to ``--max-context``), page size, head dim, kv heads, GQA group, query tokens per
 request (decode, speculative, short extend), layout, window, soft-cap, sinks, query dtype,
 global scales over seven decades, CUDA-graph style padding entries and padded query rows, and for
-extends the dense prefill path (``dense_prefill``, its workspace sometimes small enough to take
-several passes merged by log-sum-exp).
+requests past the decode kernel's share the dense prefill path (``dense_prefill``, its workspace
+sometimes small enough to take several passes merged by log-sum-exp).
 
 Per configuration it checks, on the chosen device:
   * the new tokens' K/V written by ``ops.write_kv`` equal the CPU reference quantizer bit for bit;
@@ -132,8 +132,9 @@ def generate(seed: int, max_context: int = 262144, max_elements: int = 1 << 28) 
     fused_heads = rng.choice([1, 2, 4, 8])
     if rng.random() < 0.3 and capabilities.fused_allowed(head_dim, group, max(q_lens), fused_heads):
         cfg.fused, cfg.heads_per_block = True, fused_heads
-    # and then the dense prefill, for configurations with requests past the decode kernel's share: a
-    # workspace of the queries plus a random share of the longest context takes several passes
+    # and then the dense prefill, for configurations with requests past the decode kernel's share (long
+    # extends or spec rows): a workspace of the queries plus a random share of the longest context
+    # takes several passes
     dense, small_workspace = rng.random() < 0.5, rng.random() < 0.5
     extra_rows = rng.randint(0, max(seq_lens))
     if dense and max(q_lens) > capabilities.decode_query_len(group, head_dim):
@@ -233,13 +234,9 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     ops.paged_attention(*args, out=out, **kw)
     again = torch.full_like(q, float("nan"))
     ops.paged_attention(*args, out=again, **kw)
-    path = "reference" if device.type != "cuda" else (
-        "decode" if capabilities.decode_supports(cfg.group, max(cfg.q_lens), d) else "decode+prefill")
-    if plan.prefill is not None and (device.type == "cpu" or capabilities.decode_kernel_serves(
-            cache.k_data, cache.k_block_scales, cache.v_data)):  # where ops runs it (ops._dense_plan)
-        path += f"+dense({len(plan.prefill.passes)} passes)"
-    elif cfg.dense and dense_reason is not None:
-        rec["dense_off"] = dense_reason
+    path = _path(cfg, plan, cache, device)
+    if cfg.dense and "dense" not in path:
+        rec["dense_off"] = dense_reason or "the step does not fit the dense plan (DensePrefill.plan)"
     rec.update(path=path, splits=plan.num_splits, heads_per_block=plan.heads_per_block, fused=plan.fused)
     got = out[:rows]
     if not torch.isfinite(got).all():
@@ -283,9 +280,25 @@ def run_config(cfg: FuzzConfig, device: torch.device) -> dict:
     return dict(rec, ok=True)
 
 
+def _path(cfg: FuzzConfig, plan: planner.AttentionPlan, cache: PagedKVCache, device: torch.device) -> str:
+    """Which kernels served the call, as ops.paged_attention chooses them ("reference" off CUDA)."""
+    dense = plan.prefill
+    decode_reads = device.type != "cuda" or capabilities.decode_kernel_serves(cache.k_data, cache.k_block_scales,
+                                                                               cache.v_data)
+    if not decode_reads:  # a layout the decode kernel cannot read: the prefill kernel serves every request
+        return "prefill"
+    dense_part = [f"dense({len(dense.passes)} passes)"] if dense is not None else []
+    if device.type != "cuda":
+        return "+".join(["reference"] + dense_part)
+    if dense is not None:  # the decode kernel for the short requests (none: no launch), the dense path the rest
+        return "+".join((["decode"] if not dense.covers_all else []) + dense_part)
+    return "decode" if capabilities.decode_supports(cfg.group, max(cfg.q_lens), cfg.head_dim) else "decode+prefill"
+
+
 def _dense_plan(cfg: FuzzConfig, plan: planner.AttentionPlan, device: torch.device, dtype: torch.dtype):
     """``plan`` with the long requests on the dense prefill, planned whatever their work (min_flops 0),
-    in a workspace of ``cfg.dense_rows`` K/V rows; unchanged where the step does not fit it."""
+    in a workspace of ``cfg.dense_rows`` K/V rows (None: the engines' default bound, allocated per
+    configuration); unchanged where the step does not fit it."""
     hq, rows = cfg.num_kv_heads * cfg.group, sum(cfg.q_lens)
     row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     workspace = dense_prefill.WORKSPACE_BYTES if cfg.dense_rows is None else cfg.dense_rows * row_bytes
@@ -339,8 +352,8 @@ def run(args) -> int:
           f"worst relative error {max(errs, default=float('nan')):.2e}; "
           f"most of the error bound used {max(used, default=float('nan')):.2f}; "
           f"paths: decode kernel {sum(r.get('path') == 'decode' for r in records)}, "
-          f"with the prefill kernel {sum(r.get('path') == 'decode+prefill' for r in records)}, "
-          f"with the dense prefill {sum('dense' in r.get('path', '') for r in records)}; "
+          f"with the prefill kernel {sum(r.get('path') in ('decode+prefill', 'prefill') for r in records)}, "
+          f"with the dense prefill {sum('dense(' in r.get('path', '') for r in records)}; "
           f"split-KV {sum(r.get('splits', 1) > 1 for r in records)}")
     if failures:
         print(f"first failing seed: {failures[0]['seed']} (replay: nvfp4-backend fuzz --replay "

@@ -157,11 +157,14 @@ def test_cuda_graph_hooks_use_preallocated_buffers():
     assert_close(h.run_step(replay, graph_metadata=True))
 
 
-def test_windowed_layers_plan_for_the_tokens_they_read():
+def test_windowed_layers_plan_for_the_tokens_they_read(monkeypatch):
     """Layers share one metadata: a windowed layer's decode plan is made for the positions its window
     lets a request read (no splits here, where the full layers' graph plan splits a 64K context),
-    once per window and step, and the step still matches dense attention."""
-    from nvfp4_backend import planner
+    once per window and step, and is the plan its call runs; the step still matches dense attention."""
+    from nvfp4_backend import ops, planner
+    calls = []
+    real = ops.paged_attention
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, plan, **kw: calls.append(plan) or real(*a, plan=plan, **kw))
     h = Harness(page_size=4, max_context=65536, layers=[{"sliding_window_size": 6}, {}])
     h.run_step(h.batch({1: 5, 2: 9}))
     b = h.backend
@@ -169,14 +172,29 @@ def test_windowed_layers_plan_for_the_tokens_they_read():
     capture = h.batch({1: 1, 2: 1}, decode=True, pad_to=4)
     b.init_forward_metadata_out_graph(capture, in_capture=True)
     b.init_forward_metadata_in_graph(capture)
+    calls.clear()
     assert_close(h.run_step(capture, graph_metadata=True))
     md = b.forward_metadata
-    assert set(md.window_plans) == {7}
-    assert md.window_plans[7] == planner.plan_attention(4, 2, 4, 1, 65536, 64, b.num_sms, token_major=True,
-                                                        device=b.device, sliding_window=7)
-    assert md.window_plans[7].num_splits == 1 < md.plan.num_splits
+    windowed = planner.plan_attention(4, 2, 4, 1, 65536, 64, b.num_sms, token_major=True, device=b.device,
+                                      sliding_window=7)
+    assert md.window_plans == {7: windowed} and windowed.num_splits == 1 < md.plan.num_splits
+    assert calls == [windowed, md.plan]  # layer 0 (window 7), then layer 1 (full)
     assert_close(h.run_step(h.batch({1: 3, 2: 1}), graph_metadata=False))  # an eager extend plans its own
     assert set(b.forward_metadata.window_plans) == {7} and b.forward_metadata.window_plans[7].num_splits == 1
+
+
+def test_a_window_plan_past_the_steps_workspace_falls_back(monkeypatch):
+    """A windowed plan may split more than the unwindowed one it replaces (the static kernel where the
+    fused one ran); where it needs more workspace than the step or graph holds, the step's plan runs."""
+    import dataclasses
+    h = Harness(page_size=4, layers=[{"sliding_window_size": 6}, {}])
+    h.run_step(h.batch({1: 5, 2: 9}))
+    md = h.backend.forward_metadata
+    md.window_plans.clear()  # made by the step's windowed layer
+    greedy = dataclasses.replace(md.plan, num_splits=2, workspace_bytes=md.workspace.numel() + 16)
+    monkeypatch.setattr(h.backend, "_plan", lambda *args, **kw: greedy)
+    assert h.backend._window_plan(md, 7) is md.plan and md.window_plans == {7: md.plan}
+    assert h.backend._window_plan(md, None) is md.plan
 
 
 def test_graph_capture_rejects_non_decode():
