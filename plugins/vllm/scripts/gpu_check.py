@@ -11,7 +11,10 @@ CUDA kernels:
     workspace, captured in a CUDA graph and replayed after the sequences grew (what a FULL graph
     does in vLLM), compared with the reference;
   * a decode batch of 128 requests, for which the planner puts two kv heads in one thread block;
-  * a mixed step's prefill rows (dense path) compared with the reference.
+  * a mixed step's prefill rows (dense path) compared with the reference;
+  * a mixed batch's FULL graph as ``build_for_cudagraph_capture`` makes it (one call over every
+    request, captured on vLLM's dummy batch), replayed for two different mixes written into its
+    buffers.
 
     python plugins/vllm/scripts/gpu_check.py     # exits non-zero on any mismatch
 """
@@ -156,7 +159,50 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
                                 HEAD ** -0.5, max_query_len=3, plan=e_plan, workspace=e_plan.allocate_workspace(DEV))
     want = reference.paged_attention_ref(eq, cpu, p_bt, e_seq, e_qsl, k_scale.cpu(), v_scale.cpu(), HEAD ** -0.5)
     ok &= check("short extends (kernel path)", e_out, want)
+    ok &= mixed_full_graph(cache, cpu, block_table, k_scale, v_scale, gen)
     return bool(ok)
+
+
+def mixed_full_graph(cache, cpu, block_table, k_scale, v_scale, gen) -> bool:
+    """cudagraph_mode FULL: a graph of 192 tokens captured on vLLM's dummy batch (one token per
+    request, max_query_len 192) as one call over every request, then replayed for steps vLLM writes
+    into the same buffers: decodes plus prefill chunks, then decodes only (requests padded with no
+    tokens, rows past the step untouched).  Every position up to 192 of the first requests is written."""
+    tokens, reqs, group = 192, 64, NUM_HEADS // NUM_KV_HEADS
+    qsl = torch.arange(reqs + 1, dtype=torch.int32, device=DEV).clamp(max=tokens)
+    seq = torch.ones(reqs, dtype=torch.int32, device=DEV)
+    table = block_table[:reqs].clone().to(DEV)
+    q = torch.randn(tokens, NUM_HEADS, HEAD, generator=gen).bfloat16().to(DEV)
+    out = torch.full_like(q, float("nan"))
+    plan = planner.plan_attention(reqs, NUM_KV_HEADS, group, tokens, MAX_MODEL_LEN, HEAD, planner.num_sms(DEV))
+    workspace = plan.allocate_workspace(DEV)
+
+    def step():
+        ops.paged_attention(q, cache, table, seq, qsl, k_scale, v_scale, HEAD ** -0.5, max_query_len=tokens,
+                            out=out, plan=plan, workspace=workspace)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ok = True
+    for name, q_lens, ctx in (("20 decodes + chunks of 100 and 37", [1] * 20 + [100, 37], [150] * 20 + [60, 0]),
+                              ("48 decodes", [1] * 48, [17 + 3 * b for b in range(48)])):
+        n, rows = len(q_lens), sum(q_lens)
+        lens = torch.tensor([c + k for c, k in zip(ctx, q_lens)], dtype=torch.int32)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        qsl.copy_(torch.cat([starts, torch.full((reqs - n,), rows, dtype=torch.int32)]).to(DEV))
+        seq.copy_(torch.cat([lens, torch.zeros(reqs - n, dtype=torch.int32)]).to(DEV))
+        q.copy_(torch.randn(q.shape, generator=gen).bfloat16().to(DEV))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.paged_attention_ref(q[:rows].cpu(), cpu, block_table[:n], lens, starts, k_scale.cpu(),
+                                             v_scale.cpu(), HEAD ** -0.5)
+        ok &= check(f"mixed FULL graph replay: {name}", out[:rows], want)
+        ok &= bool(out[rows:].isnan().all())
+    return ok
 
 
 def main() -> int:
