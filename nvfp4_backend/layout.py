@@ -11,7 +11,7 @@ NHD and HND pages, vLLM 0.33's inline page and SGLang 0.5.23's token rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class PagedKVCache:
     v_data: torch.Tensor
     v_block_scales: torch.Tensor
     mode: KVMode = KVMode()
+    # the tensors validate() last passed (by identity): every op call validates the cache it is given,
+    # and an engine passes the same one each layer and step
+    _validated: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, KVMode):
@@ -77,6 +80,11 @@ class PagedKVCache:
         return self.k_data, self.k_block_scales, self.v_data, self.v_block_scales
 
     def validate(self) -> None:
+        """Raises unless the four views have the shapes, dtype, strides and device a cache needs; a
+        no-op for the tensors it last passed (a view resized in place is not seen again)."""
+        checked = tuple(map(id, self.tensors()))
+        if checked == self._validated:
+            return
         names = ("k_data", "k_block_scales", "v_data", "v_block_scales")
         for name, t in zip(names, self.tensors()):
             if not isinstance(t, torch.Tensor):
@@ -96,6 +104,7 @@ class PagedKVCache:
         for name, t, want in zip(names, self.tensors(), (want_data, want_sf, want_data, want_sf)):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+        object.__setattr__(self, "_validated", checked)
 
     # ------------------------------------------------------------------ constructors
     @classmethod

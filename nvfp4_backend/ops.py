@@ -74,7 +74,7 @@ def _check_global_scale(name: str, t, device: torch.device) -> torch.Tensor:
         raise ValueError(f"{name} must hold one fp32 value, got shape {tuple(t.shape)}")
     if device.type == "cpu" and _host_checks() and not (float(t) > 0 and math.isfinite(float(t))):
         raise ValueError(f"{name} must be positive and finite, got {float(t)}")
-    return t.reshape(())
+    return t if t.dim() == 0 else t.reshape(())
 
 
 def _check_cache(cache) -> PagedKVCache:
