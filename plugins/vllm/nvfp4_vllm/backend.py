@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVQuantMode
 
-from vllm.config import get_layers_from_vllm_config
+from vllm.config import get_current_vllm_config_or_none, get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -38,11 +38,10 @@ from nvfp4_backend import PagedKVCache, ops, planner
 from nvfp4_backend import format as fmt
 from nvfp4_backend.capabilities import SUPPORTED_HEAD_DIMS, decode_query_len, decode_supports, kernels_available, \
     kernels_serve_any_batch, unavailable_reason
-from nvfp4_backend.dense_prefill import DensePrefill
-from nvfp4_backend.dense_prefill import unavailable_reason as dense_unavailable_reason
 from nvfp4_backend.modes import KV_MODE_ENV, configured_kv_mode
 
 from . import BACKEND_NAME, CPU_PLATFORM_ENV, KV_CACHE_DTYPE, KV_CACHE_DTYPE_4OVER6
+from .dense import dense_prefill_for
 
 HEAD_SIZES = list(SUPPORTED_HEAD_DIMS)
 BLOCK_SIZES = [16, 32, 64, 128]
@@ -203,28 +202,14 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         self.dense, self.dense_features = self._dense_prefill(vllm_config, layers, torch.device(device))
 
     def _dense_prefill(self, vllm_config, layers: dict, device: torch.device):
-        """The core's dense prefill for this group's long requests, with the layers' distinct (scale,
-        window, soft cap) (each planned per step); (None, None) where it does not apply, and the
-        prefill kernel serves them."""
-        reason = dense_unavailable_reason(device)
-        features = {layer.impl.dense_features for layer in layers.values()}
-        if reason is None and configured_kv_mode().rotation != "none":
-            reason = "a Hadamard KV mode (the prefill kernel rotates in registers; 16-bit rows would round once more)"
-        if reason is None:
-            try:
-                dense = DensePrefill(device, self.group_size * self.num_kv_heads, self.num_kv_heads, self.head_size,
-                                     vllm_config.model_config.dtype,
-                                     vllm_config.scheduler_config.max_num_batched_tokens)
-            except ValueError as exc:  # the bounded workspace cannot hold a step's tokens
-                reason = str(exc)
-        if reason is not None:
-            logger.info(f"{BACKEND_NAME}: prefill on the prefill kernel ({reason})")
+        """The engine's dense prefill for this group's long requests (made in vLLM's profiling run,
+        ``dense``), with the layers' distinct (scale, window, soft cap) (each planned per step);
+        (None, None) where it does not apply, and the prefill kernel serves them."""
+        dense, _ = dense_prefill_for(device, self.group_size * self.num_kv_heads, self.num_kv_heads, self.head_size,
+                                     vllm_config.model_config.dtype, vllm_config.scheduler_config.max_num_batched_tokens)
+        if dense is None:
             return None, None
-        # NOTE: allocated after vLLM's memory profiling sized the KV cache, as vLLM's own FlashInfer
-        # backend does with its workspace: it comes out of --gpu-memory-utilization's headroom.
-        logger.info(f"{BACKEND_NAME}: dense prefill, {dense.allocated_bytes / 2**20:.0f} MiB of 16-bit "
-                         f"workspace ({dense.capacity} tokens)")
-        return dense, sorted(features, key=str)
+        return dense, sorted({layer.impl.dense_features for layer in layers.values()}, key=str)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -336,6 +321,10 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
             raise ValueError(f"sinks must have shape [num_heads={num_heads}], got {tuple(sinks.shape)}")
         self.sinks = sinks
         self.dense_features = (self.scale, self.sliding_window, self.logits_soft_cap)  # the builder plans each set
+        vllm_config = get_current_vllm_config_or_none()  # vLLM makes the impl under its config; tools may not
+        self.dense_shape = None if vllm_config is None else (
+            self.num_heads, self.num_kv_heads, head_size, vllm_config.model_config.dtype,
+            vllm_config.scheduler_config.max_num_batched_tokens)
         # This backend both writes and reads the cache, so every layer of the engine uses the one
         # mode read here (the process environment), never a cache written with another.
         self.kv_mode = configured_kv_mode()
@@ -383,7 +372,9 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{BACKEND_NAME} does not support fused output quantization")
-        if attn_metadata is None:  # profiling run: no cache yet
+        if attn_metadata is None:  # profiling run: no cache yet; its peak memory counts the dense prefill
+            if self.dense_shape is not None:
+                dense_prefill_for(query.device, *self.dense_shape, profiling=True)
             return output.fill_(0)
         cache = self._paged_cache(kv_cache)
         sinks = None if self.sinks is None else self.sinks.float()

@@ -85,6 +85,12 @@ def vllm_log(caplog):
 
 
 @pytest.fixture(autouse=True)
+def no_dense_prefill_yet(monkeypatch):
+    """Each test starts from a process that has made no dense prefill (nvfp4_vllm.dense keeps one)."""
+    monkeypatch.setattr("nvfp4_vllm.dense._made", {})
+
+
+@pytest.fixture(autouse=True)
 def dense_prefill_at_any_size(monkeypatch):
     """Test steps are small: the dense path is planned for them whatever their work
     (``DensePrefill.min_flops``; its own test sets it back)."""

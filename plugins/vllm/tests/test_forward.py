@@ -266,7 +266,7 @@ def test_window_soft_cap_sinks_fp16(make_config, device, dtype):
 def test_long_requests_take_the_dense_prefill(make_config, monkeypatch, batch, features):
     # The dense path where the core offers it (SM90 with FlashInfer; here its CPU form, the fp64 kernel):
     # the builder plans it on vLLM's host lengths, forward runs it, and the step still matches the oracle.
-    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("nvfp4_vllm.dense.dense_unavailable_reason", lambda device: None)
     config = make_config()
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(2))
     layer = make_layer(config, sinks=sinks, **features)
@@ -282,7 +282,7 @@ def test_long_requests_take_the_dense_prefill(make_config, monkeypatch, batch, f
 
 
 def test_dense_prefill_needs_host_lengths_and_no_capture(make_config, monkeypatch):
-    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("nvfp4_vllm.dense.dense_unavailable_reason", lambda device: None)
     config = make_config()
     layer = make_layer(config)
     spec = customize_attention_spec(Backend, layer.get_kv_cache_spec(config))
@@ -295,7 +295,7 @@ def test_dense_prefill_needs_host_lengths_and_no_capture(make_config, monkeypatc
 
 def test_layers_with_different_windows_each_get_their_plan(make_config, monkeypatch):
     # gpt-oss alternates windowed and full layers: one builder, one plan per feature set per step.
-    monkeypatch.setattr("nvfp4_vllm.backend.dense_unavailable_reason", lambda device: None)
+    monkeypatch.setattr("nvfp4_vllm.dense.dense_unavailable_reason", lambda device: None)
     config = make_config()
     full, windowed = make_layer(config), make_layer(config, per_layer_sliding_window=24)
     spec = customize_attention_spec(Backend, full.get_kv_cache_spec(config))
@@ -456,6 +456,23 @@ def test_profiling_run_returns_zeros(make_config):
     q = torch.randn(5, 8, 128, dtype=torch.bfloat16)
     layer.impl.forward(layer, q, None, None, torch.empty(0), None, output)
     assert torch.equal(output, torch.zeros_like(output))
+
+
+def test_the_profiling_run_makes_the_dense_prefill_the_builders_use(make_config, monkeypatch, vllm_log):
+    # vLLM sizes the KV cache from the profiling run's peak memory: the dense prefill's workspace is
+    # made there (where the core offers it), and the builders made afterwards share that one.
+    monkeypatch.setattr("nvfp4_vllm.dense.dense_unavailable_reason", lambda device: None)
+    config = make_config()
+    layers = [make_layer(config), make_layer(config, per_layer_sliding_window=24)]
+    q = torch.randn(5, 8, 128, dtype=torch.bfloat16)
+    for layer in layers:
+        layer.impl.forward(layer, q, None, None, torch.empty(0), None, torch.empty_like(q))
+    from nvfp4_vllm import dense
+    (made,) = dense._made.values()
+    assert made.allocated_bytes > 0 and "allocated in vLLM's memory profiling" in vllm_log.text
+    spec = customize_attention_spec(Backend, layers[0].get_kv_cache_spec(config))
+    builders = [Backend.get_builder_cls()(spec, [layer.layer_name], config, torch.device("cpu")) for layer in layers]
+    assert all(b.dense is made for b in builders) and len(dense._made) == 1
 
 
 def test_rejects_pages_that_are_not_dense(make_config):
