@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from nvfp4_backend import PagedKVCache, ops, planner
@@ -75,6 +75,7 @@ class NVFP4XQABackend(AttentionBackend):
                                "the plugin's KV access entry was not registered in this process")
         # SGLang's names: layers reach the pools through the active backend (get_token_to_kv_pool()).
         self.token_to_kv_pool, self.req_to_token_pool = pool, model_runner.req_to_token_pool
+        self.model_runner = model_runner  # its model's layers say which windows the graphs' plans need
         self.quant = quant
         self.device = torch.device(model_runner.device)
         self.page_size = pool.page_size
@@ -116,14 +117,27 @@ class NVFP4XQABackend(AttentionBackend):
     def _window_plan(self, md: ForwardMetadata, window: int | None) -> planner.AttentionPlan:
         """The step's decode plan for a layer with this window: planned for the positions the window
         lets a request read (SGLang's layers share one metadata, and gpt-oss alternates windowed and
-        full layers); the step's own plan where that one would need more workspace than the step holds
-        (a graph's workspace is sized for the unwindowed plans)."""
+        full layers).  It may need more workspace than the step's plan: an eager step's scratch grows;
+        a graph's is sized for the model's windows (init_cuda_graph_state), else the step's plan runs."""
         if window is None or not md.plan_inputs:
             return md.plan
         if window not in md.window_plans:
             plan = self._plan(*md.plan_inputs, sliding_window=window)
-            md.window_plans[window] = plan if plan.workspace_bytes <= md.workspace.numel() else md.plan
+            if plan.workspace_bytes > md.workspace.numel():
+                capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                if md.workspace is self._workspace and not capturing:
+                    self._workspace = md.workspace = plan.allocate_workspace(self.device)  # eager: grow-only scratch
+                else:
+                    plan = md.plan
+            md.window_plans[window] = plan
         return md.window_plans[window]
+
+    def _layer_windows(self) -> set[int | None]:
+        """The windows of the model's attention layers (ours: SGLang's window_left + 1), None for full
+        ones; just None before a model is loaded."""
+        model = getattr(self.model_runner, "model", None)
+        layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
+        return {None} | {m.sliding_window_size + 1 for m in layers if m.sliding_window_size >= 0}
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """[batch, num_pages] int32: page of each request's page-aligned positions (sync-free)."""
@@ -172,7 +186,9 @@ class NVFP4XQABackend(AttentionBackend):
         # Plans depend on the batch size only (max_seq_len is the context bound), so a captured
         # graph stays valid for any lengths; one workspace serves the largest.
         self._graph_plans = {bs: self._plan(bs, 1, self.max_context_len) for bs in range(1, max_bs + 1)}
-        need = max(p.workspace_bytes for p in self._graph_plans.values())
+        # the windowed layers' plans (_window_plan) may split more than the full layers' one
+        need = max(self._plan(bs, 1, self.max_context_len, sliding_window=window).workspace_bytes
+                   for bs in range(1, max_bs + 1) for window in self._layer_windows())
         self._graph_workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=dev)
         self._graph.clear()
 

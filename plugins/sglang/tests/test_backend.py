@@ -183,18 +183,53 @@ def test_windowed_layers_plan_for_the_tokens_they_read(monkeypatch):
     assert set(b.forward_metadata.window_plans) == {7} and b.forward_metadata.window_plans[7].num_splits == 1
 
 
-def test_a_window_plan_past_the_steps_workspace_falls_back(monkeypatch):
-    """A windowed plan may split more than the unwindowed one it replaces (the static kernel where the
-    fused one ran); where it needs more workspace than the step or graph holds, the step's plan runs."""
+def _greedy_window_plans(monkeypatch, backend, extra: int):
+    """Windowed plans that split more than the full ones and need ``extra`` more workspace bytes."""
     import dataclasses
+    real = backend._plan
+
+    def plan(*args, sliding_window=None, **kw):
+        full = real(*args, **kw)
+        return full if sliding_window is None else dataclasses.replace(
+            full, num_splits=2, workspace_bytes=full.workspace_bytes + extra)
+    monkeypatch.setattr(backend, "_plan", plan)
+
+
+def test_a_window_plan_past_the_workspace_grows_an_eager_step_and_falls_back_in_a_graph(monkeypatch):
+    """A windowed plan may split more than the unwindowed one (the static kernel where the fused one
+    ran): an eager step's scratch grows for it; a graph's workspace, sized before the model's windows
+    were known, keeps the step's plan."""
     h = Harness(page_size=4, layers=[{"sliding_window_size": 6}, {}])
+    b = h.backend
     h.run_step(h.batch({1: 5, 2: 9}))
-    md = h.backend.forward_metadata
-    md.window_plans.clear()  # made by the step's windowed layer
-    greedy = dataclasses.replace(md.plan, num_splits=2, workspace_bytes=md.workspace.numel() + 16)
-    monkeypatch.setattr(h.backend, "_plan", lambda *args, **kw: greedy)
-    assert h.backend._window_plan(md, 7) is md.plan and md.window_plans == {7: md.plan}
-    assert h.backend._window_plan(md, None) is md.plan
+    _greedy_window_plans(monkeypatch, b, extra=4096)
+    fb = h.batch({1: 1, 2: 1}, decode=True)
+    b.init_forward_metadata(fb)
+    md = b.forward_metadata
+    assert b._window_plan(md, 7).num_splits == 2 and md.workspace.numel() >= md.window_plans[7].workspace_bytes
+    assert md.workspace is b._workspace and b._window_plan(md, None) is md.plan
+    b.init_cuda_graph_state(max_bs=2, max_num_tokens=2)  # no model on this runner: its windows are unknown
+    capture = h.batch({1: 1, 2: 1}, decode=True)
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    assert b._window_plan(b.forward_metadata, 7) is b.forward_metadata.plan
+
+
+def test_graph_workspace_holds_the_models_windowed_plans(monkeypatch):
+    """With the model's layers on the runner, the graphs' workspace holds their windows' plans too,
+    so a captured windowed layer runs its own plan; the step still matches dense attention."""
+    h = Harness(page_size=4, layers=[{"sliding_window_size": 6}, {}])
+    h.runner.model = torch.nn.ModuleList(h.layers)
+    b = h.backend
+    assert b._layer_windows() == {None, 7}
+    h.run_step(h.batch({1: 5, 2: 9}))
+    _greedy_window_plans(monkeypatch, b, extra=4096)
+    b.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    capture = h.batch({1: 1, 2: 1}, decode=True, pad_to=4)
+    b.init_forward_metadata_out_graph(capture, in_capture=True)
+    b.init_forward_metadata_in_graph(capture)
+    assert_close(h.run_step(capture, graph_metadata=True))
+    md = b.forward_metadata
+    assert md.window_plans[7].num_splits == 2 and md.window_plans[7] is not md.plan
 
 
 def test_graph_capture_rejects_non_decode():
