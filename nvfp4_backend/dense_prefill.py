@@ -206,6 +206,14 @@ class DensePrefill:
         held = (self.k_rows, self.v_rows, self.lse) + ((self.merge_out,) if self.merge_out is not None else ())
         return sum(t.numel() * t.element_size() for t in held)
 
+    def reserve_merge(self) -> None:
+        """Make now the buffer that steps of several passes (contexts past ``capacity``) merge through,
+        which the first such plan makes otherwise: an engine whose memory profiling should count it,
+        and whose contexts may exceed the workspace, calls this while it profiles."""
+        if self.merge_out is None:
+            self.merge_out = torch.empty(self.max_query_tokens, self.num_q_heads, self.head_dim, dtype=self.dtype,
+                                         device=self.device)
+
     def plan(self, plan: AttentionPlan, query_lens: list[int], seq_lens: list[int], *, softmax_scale: float,
              sliding_window: int | None = None, logits_soft_cap: float | None = None) -> AttentionPlan:
         """``plan`` with ``prefill`` set for this step, or ``plan`` itself where the dense path does not
@@ -224,9 +232,8 @@ class DensePrefill:
         passes = plan_passes(query_lens, seq_lens, requests, sliding_window, self.capacity)
         if passes is None:
             return dataclasses.replace(plan, prefill=None)
-        if len(passes) > 1 and self.merge_out is None:
-            self.merge_out = torch.empty(self.max_query_tokens, self.num_q_heads, self.head_dim, dtype=self.dtype,
-                                         device=self.device)
+        if len(passes) > 1:
+            self.reserve_merge()
         wrappers = self._wrappers.setdefault((float(softmax_scale), sliding_window, logits_soft_cap or None), [])
         while len(wrappers) < len(passes):
             wrappers.append(self.attention.new_wrapper())

@@ -147,6 +147,22 @@ def test_kv_chunks_merge_by_log_sum_exp(sinks, gen):
     assert rel_l2(out, ref) < 4e-3 and not out.isnan().any()
 
 
+def test_reserve_merge_makes_the_buffer_multi_pass_steps_use():
+    """An engine that profiles memory reserves the merge buffer up front; a multi-pass plan then uses
+    it (no allocation of its own), and reserving twice makes nothing new."""
+    dense = DensePrefill("cpu", 8, 2, 64, torch.bfloat16, max_query_tokens=240, workspace_bytes=400 * 2 * 2 * 64 * 2)
+    before = dense.allocated_bytes
+    dense.reserve_merge()
+    merge = dense.merge_out
+    assert dense.allocated_bytes - before == 240 * 8 * 64 * 2
+    dense.reserve_merge()
+    assert dense.merge_out is merge
+    q_lens, seq_lens = [1, 120, 40, 64], [300, 1500, 40, 900]
+    base = planner.plan_attention(4, 2, 4, 120, 1500, 64, 132, query_lens=q_lens)
+    plan = dense.plan(base, q_lens, seq_lens, softmax_scale=0.125)
+    assert len(plan.prefill.passes) > 2 and dense.merge_out is merge
+
+
 def test_a_hadamard_cache_keeps_the_prefill_kernel(gen):
     plan, attention, out, ref = run_step(*STEPS["mixed"], gen=gen, rotation="hadamard")
     assert plan.prefill is not None and attention.runs == 0  # planned, but the call kept the kernels' path

@@ -206,7 +206,8 @@ class Nvfp4XqaMetadataBuilder(AttentionMetadataBuilder[Nvfp4XqaMetadata]):
         ``dense``), with the layers' distinct (scale, window, soft cap) (each planned per step);
         (None, None) where it does not apply, and the prefill kernel serves them."""
         dense, _ = dense_prefill_for(device, self.group_size * self.num_kv_heads, self.num_kv_heads, self.head_size,
-                                     vllm_config.model_config.dtype, vllm_config.scheduler_config.max_num_batched_tokens)
+                                     vllm_config.model_config.dtype, vllm_config.scheduler_config.max_num_batched_tokens,
+                                     vllm_config.model_config.max_model_len)
         if dense is None:
             return None, None
         return dense, sorted({layer.impl.dense_features for layer in layers.values()}, key=str)
@@ -324,7 +325,7 @@ class Nvfp4XqaImpl(AttentionImpl[Nvfp4XqaMetadata]):
         vllm_config = get_current_vllm_config_or_none()  # vLLM makes the impl under its config; tools may not
         self.dense_shape = None if vllm_config is None else (
             self.num_heads, self.num_kv_heads, head_size, vllm_config.model_config.dtype,
-            vllm_config.scheduler_config.max_num_batched_tokens)
+            vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len)
         # This backend both writes and reads the cache, so every layer of the engine uses the one
         # mode read here (the process environment), never a cache written with another.
         self.kv_mode = configured_kv_mode()

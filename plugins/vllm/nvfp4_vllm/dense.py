@@ -26,8 +26,10 @@ there is none (the prefill kernel then serves long requests)."""
 
 
 def dense_prefill_for(device, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                      max_num_batched_tokens: int, profiling: bool = False) -> tuple[DensePrefill | None, str | None]:
-    """(the dense prefill for layers of this shape, None) or (None, why not); made once per process."""
+                      max_num_batched_tokens: int, max_model_len: int,
+                      profiling: bool = False) -> tuple[DensePrefill | None, str | None]:
+    """(the dense prefill for layers of this shape, None) or (None, why not); made once per process,
+    with its merge buffer too where a context (``max_model_len``) can exceed the workspace."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -41,6 +43,9 @@ def dense_prefill_for(device, num_heads: int, num_kv_heads: int, head_size: int,
                 _made[key] = DensePrefill(device, num_heads, num_kv_heads, head_size, dtype, max_num_batched_tokens)
             except ValueError as exc:  # the bounded workspace cannot hold a step's tokens
                 reason = str(exc)
+            else:
+                if max_model_len > _made[key].capacity:  # steps of several passes can come
+                    _made[key].reserve_merge()
         if reason is not None:
             _made[key] = reason
             logger.info(f"{BACKEND_NAME}: prefill on the prefill kernel ({reason})")

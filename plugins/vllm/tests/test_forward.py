@@ -475,6 +475,28 @@ def test_the_profiling_run_makes_the_dense_prefill_the_builders_use(make_config,
     assert all(b.dense is made for b in builders) and len(dense._made) == 1
 
 
+@pytest.mark.parametrize("workspace_rows, merge_made", [(300, True), (4096, False)])
+def test_the_profiling_run_makes_the_merge_buffer_where_contexts_outgrow_the_workspace(
+        make_config, monkeypatch, workspace_rows, merge_made):
+    # A context longer than the workspace runs in passes merged through a buffer of the step's queries:
+    # made in profiling too where max_model_len (2048) exceeds the workspace's rows.
+    from nvfp4_backend.dense_prefill import DensePrefill
+    monkeypatch.setattr("nvfp4_vllm.dense.dense_unavailable_reason", lambda device: None)
+    row_bytes = 2 * 2 * 128 * 2  # a K and a V row of 2 kv heads, D 128, bf16
+
+    class SmallWorkspace(DensePrefill):
+        def __init__(self, *args):
+            super().__init__(*args, workspace_bytes=workspace_rows * row_bytes)
+    monkeypatch.setattr("nvfp4_vllm.dense.DensePrefill", SmallWorkspace)
+    config = make_config(max_num_batched_tokens=256, enable_chunked_prefill=True)
+    layer = make_layer(config)
+    q = torch.randn(5, 8, 128, dtype=torch.bfloat16)
+    layer.impl.forward(layer, q, None, None, torch.empty(0), None, torch.empty_like(q))
+    from nvfp4_vllm import dense
+    (made,) = dense._made.values()
+    assert made.capacity == workspace_rows and (made.merge_out is not None) == merge_made
+
+
 def test_rejects_pages_that_are_not_dense(make_config):
     config = make_config()
     layer = make_layer(config)
