@@ -8,7 +8,7 @@
 #include "nvfp4_kernels.h"
 
 #ifndef NVFP4_PREFILL_MIN_BLOCKS_HD64
-#define NVFP4_PREFILL_MIN_BLOCKS_HD64 2
+#define NVFP4_PREFILL_MIN_BLOCKS_HD64 3
 #endif
 #ifndef NVFP4_PREFILL_STAGES
 #define NVFP4_PREFILL_STAGES 2
@@ -67,9 +67,9 @@ struct Config {
   static constexpr int kChunks = 2 * kDataBytes / kCopyBytes / kCopyThreads;  // data copies per thread
   static_assert(kCopyThreads >= 2 && kChunks * kCopyThreads * kCopyBytes == 2 * kDataBytes, "copy split");
   static constexpr int kElementsPerLane = kHeadDim / 32;  // a row across a warp (Q load, epilogue)
-  // resident blocks the registers must allow (two: each block's barriers leave the tensor cores idle).
-  // NVFP4_PREFILL_MIN_BLOCKS_HD64 (an experiment, through NVFP4_BACKEND_NVCC_FLAGS): three at D 64,
-  // whose short windowed tiles are latency-bound at two (docs/performance.md, engine step)
+  // resident blocks the registers must allow (two: each block's barriers leave the tensor cores idle;
+  // three at D 64, where 168 registers fit with a small spill and short windowed tiles are latency-bound
+  // at two: docs/decisions.md, extend; NVFP4_PREFILL_MIN_BLOCKS_HD64 sets it for an A/B)
   static constexpr int kMinBlocks = kHeadDim == 64 ? NVFP4_PREFILL_MIN_BLOCKS_HD64 : 2;
 };
 
