@@ -17,13 +17,21 @@ struct Tile {
 // Block x of the grid -> (request, query tile), without host lengths: request b's tiles start at
 // query_start_loc[b] / tile_tokens + b, which leaves every request room for its ceil(q_len /
 // tile_tokens) tiles.  Later tiles of a request (longer causal ranges) get the lower block indices.
+// The request is found by a 32-way search, each warp on its own (no barrier): a step's 32 loads fly
+// together and narrow the range 32-fold, so a batch of up to 1024 requests takes two dependent loads
+// where a binary search takes ten (a step's decodes give the grid one block each, which only search).
 __device__ __forceinline__ bool find_tile(const PrefillParams& p, Tile& t) {
   // kv heads vary fastest, so every head's longest tiles start in the first wave
   const int x = blockIdx.x / p.num_kv_heads;
-  int lo = 0, hi = p.batch - 1;  // the last request whose first tile is at or before x
+  const int lane = threadIdx.x & 31;
+  int lo = 0, hi = p.batch - 1;  // the last request whose first tile is at or before x lies in [lo, hi]
   while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.query_start_loc[mid] / p.tile_tokens + mid <= x) lo = mid; else hi = mid - 1;
+    const int step = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32): candidates lo + step .. lo + 32 step
+    const int b = lo + (lane + 1) * step;
+    const bool at_or_before = b <= hi && p.query_start_loc[b] / p.tile_tokens + b <= x;
+    // first tiles rise with b, so the candidates at or before x are the first popc of them
+    lo += __popc(__ballot_sync(0xffffffffu, at_or_before)) * step;
+    hi = min(hi, lo + step - 1);
   }
   t.request = lo;
   t.kv_head = blockIdx.x % p.num_kv_heads;
