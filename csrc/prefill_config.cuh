@@ -10,9 +10,6 @@
 #ifndef NVFP4_PREFILL_MIN_BLOCKS_HD64
 #define NVFP4_PREFILL_MIN_BLOCKS_HD64 3
 #endif
-#ifndef NVFP4_PREFILL_STAGES
-#define NVFP4_PREFILL_STAGES 2
-#endif
 
 namespace nvfp4 {
 namespace prefill {
@@ -44,9 +41,7 @@ struct Config {
   static constexpr int kTileTokens = kHeadDim <= 128 ? 64 : 32;  // KV positions per tile (docs/kernels.md#prefill)
   static constexpr int kPitch = kHeadDim + 8;  // 16-bit elements per row: the 16-byte pad keeps ldmatrix conflict-free
   static constexpr int kDataBytes = kHeadDim / 2, kScaleBytes = kHeadDim / 16;
-  // NVFP4 tiles in flight; NVFP4_PREFILL_STAGES (an experiment): more, for blocks of a few tiles, whose
-  // first copies are all latency (a short window's chunk)
-  static constexpr int kStages = NVFP4_PREFILL_STAGES;
+  static constexpr int kStages = 2;  // NVFP4 tiles in flight (three measured no faster: docs/decisions.md)
   // shared memory: Q rows, the dequantized K and V tiles, the copy stages, the E4M3 -> fp16x2 table
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + kRows * kPitch * 2;
