@@ -4,9 +4,9 @@
     PYTHONPATH=. python3 dev/profile_prefill.py
 """
 import argparse
-import time
 
 import torch
+from profile_step import host_and_wall_us, print_profile  # dev/, beside this script
 
 from nvfp4_backend.tools import bench
 
@@ -24,21 +24,9 @@ def main() -> None:
         call, *_ = batch.attention(q, new)
         for _ in range(3):
             call()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            call()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        print(f"B={batch_size} C={cached} N={new}: host launch {1e5 * (t1 - t0):.0f} us/call, "
-              f"wall {1e5 * (t2 - t0):.0f} us/call")
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(5):
-                call()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        host, wall = host_and_wall_us(call, iters=10)
+        print(f"B={batch_size} C={cached} N={new}: host launch {host:.0f} us/call, wall {wall:.0f} us/call")
+        print_profile(call, row_limit=14)
 
 
 if __name__ == "__main__":

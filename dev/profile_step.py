@@ -28,6 +28,17 @@ def host_and_wall_us(call, iters: int = 20) -> tuple[float, float]:
     return 1e6 * (t1 - t0) / iters, 1e6 * (t2 - t0) / iters
 
 
+def print_profile(call, sort_by: tuple[str, ...] = ("cuda_time_total",), row_limit: int = 12) -> None:
+    """torch.profiler's tables of five calls, one per sort key."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    for key in sort_by:
+        print(prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mixes", default="1,5", help="indices into bench_step.MIXES (default %(default)s)")
@@ -52,13 +63,7 @@ def main() -> None:
         host, wall = host_and_wall_us(call)
         print(f"[{index}] {mix.name}: host {host:.0f} us/call, wall {wall:.0f} us/call eagerly, "
               f"rel err {check():.1e}")
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(5):
-                call()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        print_profile(call, ("cuda_time_total", "self_cpu_time_total"))
         del step, call, check
         torch.cuda.empty_cache()
 

@@ -200,10 +200,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
         raise ValueError(f"block_table has {block_table.shape[0]} rows for a batch of {batch}")
     if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)):
-        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    planner.check_sliding_window(sliding_window)
     if logits_soft_cap is not None and not (logits_soft_cap >= 0 and math.isfinite(logits_soft_cap)):
         raise ValueError(f"logits_soft_cap must be positive and finite or None, got {logits_soft_cap}")
     if sinks is not None:

@@ -142,15 +142,20 @@ def _plan_fused(batch_size: int, num_kv_heads: int, group_size: int, max_query_l
     return heads_per_block, splits
 
 
+def check_sliding_window(sliding_window) -> None:
+    """A TypeError unless ``sliding_window`` is an int or None, a ValueError unless it is positive."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
+        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+
+
 def kv_tokens_read(max_seq_len: int, max_query_len: int, sliding_window: int | None) -> int:
     """The most cache positions one request's rows read: the first row sees ``sliding_window``
     positions and each later row one more (the decode kernel's range: csrc/decode_kernel.cuh)."""
+    check_sliding_window(sliding_window)
     if sliding_window is None:
         return max_seq_len
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
-        raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")  # as ops says
-    if sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     return min(max_seq_len, sliding_window + max(max_query_len, 1) - 1)
 
 

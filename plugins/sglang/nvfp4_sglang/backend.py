@@ -187,8 +187,9 @@ class NVFP4XQABackend(AttentionBackend):
         # graph stays valid for any lengths; one workspace serves the largest.
         self._graph_plans = {bs: self._plan(bs, 1, self.max_context_len) for bs in range(1, max_bs + 1)}
         # the windowed layers' plans (_window_plan) may split more than the full layers' one
-        need = max(self._plan(bs, 1, self.max_context_len, sliding_window=window).workspace_bytes
-                   for bs in range(1, max_bs + 1) for window in self._layer_windows())
+        windowed = [self._plan(bs, 1, self.max_context_len, sliding_window=window)
+                    for bs in range(1, max_bs + 1) for window in self._layer_windows() - {None}]
+        need = max(p.workspace_bytes for p in [*self._graph_plans.values(), *windowed])
         self._graph_workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=dev)
         self._graph.clear()
 
