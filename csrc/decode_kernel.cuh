@@ -88,8 +88,12 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int q_start = p.query_start_loc[req];
   const int q_len = p.query_start_loc[req + 1] - q_start;
   const int seq_len = p.seq_lens[req];
-  // max_rows bounds the partial-output rows per kv head; the host sizes it from max_query_len
-  const int head_rows = min(q_len * p.group_size, p.max_rows);  // <= 0 for an empty request: no query loads
+  // max_rows bounds the rows per kv head (the host sizes it from the call's decode query length): a
+  // longer request is the prefill kernel's or the dense path's (extend.py), which write all its rows,
+  // so a block here would only read its KV for rows that are overwritten, and race with them where the
+  // two run side by side
+  const int request_rows = q_len * p.group_size;
+  const int head_rows = request_rows <= p.max_rows ? request_rows : 0;  // <= 0: no query loads
   const int rows = head_rows * heads_here;
   // the fused kernel's warps hold their own head's rows: block rows warp_row_base ..+ head_rows
   const int warp_row_base = C::kFused ? warp_head * head_rows : 0;
@@ -100,7 +104,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   uint4 q_raw[kRowTiles][C::kQPieces] = {};  // zeros in KV mode "hadamard", whose operands come from q_rot
   load_queries<C, T>(q_raw, p, rows_of, warp_row_base, row_warp, g, c, head_rows, warp_head, heads_here, rows, q_start, row_group,
                      kv_base);
-  if (q_len <= 0) return;
+  if (head_rows <= 0) return;
 
   // ---------------- the split's positions [begin, end): those visible to the first query row bound
   // the range every row may need, and the splits share it

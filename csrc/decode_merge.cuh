@@ -35,7 +35,8 @@ __global__ void __launch_bounds__(kMergeMaxThreads) merge_splits_kernel(const __
   __shared__ __align__(16) float group_out[kMaxGroups][kHeadDim];
   const int row = blockIdx.x, kv_head = blockIdx.y, req = blockIdx.z;
   const int q_start = p.query_start_loc[req];
-  const int rows = min((p.query_start_loc[req + 1] - q_start) * p.group_size, p.max_rows);
+  const int request_rows = (p.query_start_loc[req + 1] - q_start) * p.group_size;
+  const int rows = request_rows <= p.max_rows ? request_rows : 0;  // longer: not the decode kernel's (paged_decode_kernel)
   if (row >= rows) return;
   const int head = kv_head * p.group_size + row % p.group_size;
   // loaded before the splits' (after them, each was a memory latency between the last barrier and the stores)

@@ -3,11 +3,16 @@
 A request of up to ``capabilities.decode_query_len`` query tokens takes the decode kernel (one thread
 block per request and kv head holds all its rows, split-KV where the plan says); a longer one
 (prefill, chunked prefill, long speculative rows) takes the prefill kernel
-(csrc/prefill_kernel.cuh), one launch for all of them, after the decode kernel on the same stream.  A
-layout the decode kernel cannot read (``capabilities.decode_kernel_serves``) leaves every request to
-the prefill kernel.  Neither reads anything back to the host, so a call captures in a CUDA graph.
+(csrc/prefill_kernel.cuh), one launch for all of them.  The two kernels write disjoint rows (the
+decode kernel leaves a longer request alone), so in a mixed step they run side by side: the prefill
+kernel on the caller's stream, the decode kernel on a side stream forked from it and joined back,
+whose blocks fill the SMs the prefill grid's last wave leaves idle.  A layout the decode kernel cannot
+read (``capabilities.decode_kernel_serves``) leaves every request to the prefill kernel.  Neither
+reads anything back to the host, so a call captures in a CUDA graph, the fork and join included.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -34,13 +39,34 @@ def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, bl
     decode_len = decode_share(max_query_len, q.shape[1] // k_data.shape[2], q.shape[2], decode_query_len)
     if not capabilities.decode_kernel_serves(k_data, k_block_scales, v_data):
         decode_len = 0
-    if decode_len > 0:  # longer requests' first rows too, which the prefill kernel then overwrites
-        kernels.paged_attention(
-            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
-            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len,
-            num_splits, workspace, rotation, heads_per_block, fused)
-    if max_query_len > decode_len:
+    decode = decode_len > 0
+    prefill = max_query_len > decode_len
+    side = _side_stream(q.device) if decode and prefill else None
+    if prefill:
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(q.device))  # the fork: after the caller's work
         kernels.paged_prefill(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len + 1,
             rotation)
+    if decode:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            kernels.paged_attention(
+                out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
+                k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len,
+                num_splits, workspace, rotation, heads_per_block, fused)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)  # the join: the caller's next work waits
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The decode kernel's stream in a mixed step, one per device, made at its first mixed step.  The
+    tensors it touches belong to the caller's stream, which waits for it before the call returns, so
+    the allocator sees no use after the join."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]

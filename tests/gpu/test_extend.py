@@ -145,6 +145,30 @@ def test_prefill_bf16_queries_far_from_fp16_range(magnitude, softmax_scale, gen)
     assert torch.isfinite(out).all() and rel_l2(out, ref) < TOL
 
 
+@pytest.mark.parametrize("num_splits, heads_per_block, fused", [(1, 1, False), (3, 1, False), (1, 2, True),
+                                                                  (4, 1, True)])
+def test_decode_kernel_leaves_longer_requests_alone(num_splits, heads_per_block, fused, gen):
+    """The decode kernel alone (the op with a decode query length of 1 and no prefill launch): rows of
+    a request longer than its share stay as they were, split or not, so the prefill kernel running
+    beside it owns them; the decodes' rows match the reference."""
+    seq_lens, q_lens = [900, 40, 1300, 5], [1, 33, 1, 5]
+    cache = make_cache("HND", 200, 16, 2, 128, DEV)
+    fill_random(cache, gen)
+    batch = make_batch(seq_lens, q_lens, 8, 128, 16, 200, torch.bfloat16, gen, DEV)
+    kg, vg = scales(gen)
+    # the splits' partial rows: batch x kv heads x splits x max_rows (1 x group) x (D + 2) fp32
+    ws = torch.empty(4 * 2 * num_splits * 4 * 130 * 4, dtype=torch.uint8, device=DEV)
+    out = torch.full_like(batch.q, float("nan"))
+    torch.ops.nvfp4_backend.paged_attention(
+        out, batch.q, *cache.tensors(), batch.block_table, batch.seq_lens, batch.query_start_loc, kg, vg, 0.1, 0,
+        0.0, None, 1, num_splits, ws, "none", heads_per_block, fused, 1)
+    ref = reference.paged_attention_ref(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                        kg, vg, 0.1, dtype=torch.float64)
+    decodes = torch.tensor([0, 34], device=DEV)
+    assert torch.isnan(out[1:34]).all() and torch.isnan(out[35:]).all(), "a longer request's rows were written"
+    assert rel_l2(out[decodes], ref[decodes]) <= TOL
+
+
 def _mixed_step(gen, layout="NHD"):
     """A vLLM-shaped mixed batch: decodes first, then prefill chunks (ragged)."""
     seq_lens = [900, 1300, 77, 2, 600, 1500]
