@@ -123,10 +123,12 @@ case $mode in
       2>&1 | tee "$OUT/demo_gpu.log" | tail -40 ;;
 esac
 case $mode in
-  profile)  # Nsight Compute on the decode (64x8192, 128x512) and write kernels
-    ncu --set full -k regex:"paged_decode_kernel|write_kv_kernel|merge_splits" -f -o "$OUT/profile" \
-      python3 dev/profile_kernels.py 2>&1 | tail -3
+  profile)  # Nsight Compute on the decode (64x8192, 128x512) and write kernels; PROFILE_ARGS: profile_kernels.py's
+            # (another shape: "--q-heads 64 --kv-heads 8 --head-dim 64 --grid 64x8192 --no-write"); per SASS line in the csv
+    ncu --set full --import-source yes -k regex:"paged_decode_kernel|write_kv_kernel|merge_splits" -f -o "$OUT/profile" \
+      python3 dev/profile_kernels.py $PROFILE_ARGS 2>&1 | tail -3
     ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
+    ncu --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/profile_sass.csv" 2>&1
     grep -E "paged_decode_kernel|write_kv_kernel|merge_splits|^    Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|Theoretical Occupancy|Block Limit|L1/TEX Hit|Executed Ipc A|Warp Cycles Per Issued|One or More Eligible" "$OUT/profile.txt" | head -80 ;;
 esac
 case $mode in

@@ -2,7 +2,8 @@
 
     ncu --set full -k regex:"paged_decode|write_kv" -o $OUT/profile python3 dev/profile_kernels.py
 
-Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16.
+Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16, unless
+--q-heads, --kv-heads and --head-dim give a model's (bench --zoo's rows); --no-write leaves the writer out.
 """
 import argparse
 import types
@@ -17,15 +18,22 @@ from nvfp4_backend.layout import PagedKVCache
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grid", default="64x8192,128x512")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
-    shape = types.SimpleNamespace(q_heads=32, kv_heads=8, head_dim=128, layout="HND")
+    shape = types.SimpleNamespace(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim, layout="HND")
     for case in args.grid.split(","):
         B, L = map(int, case.split("x"))
         batch = bench.uniform_batch(B, L, 16, shape, dev, gen)
         q = torch.randn(B, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
         batch.attention(q, 1)  # plans and runs the op once
         torch.cuda.synchronize()
+    if args.no_write:
+        print("profiled", args.grid)
+        return
     tokens = 16384
     cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", dev)
     k = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device=dev)

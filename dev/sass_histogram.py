@@ -36,7 +36,7 @@ def disassemble(source: Path, arch: int, defines: list[str]) -> tuple[str, dict[
         cubin = Path(tmp) / "k.cubin"
         cap = (arch // 10, arch % 10)
         built = subprocess.run(["nvcc", "-cubin", str(source), "-o", str(cubin), *jit.NVCC_FLAGS, *jit.extra_flags(),
-                                *jit.arch_flags(cap), f"-I{REPO / 'csrc'}", *[f"-D{d}" for d in defines],
+                                *jit.arch_flags(cap), f"-I{REPO / 'csrc'}", f"-I{jit.limits_include_dir()}", *[f"-D{d}" for d in defines],
                                 "-Xptxas", "-v"], check=True, capture_output=True, text=True)
         usage, name = {}, None
         for line in built.stderr.splitlines():
