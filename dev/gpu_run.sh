@@ -86,7 +86,15 @@ esac
 case $mode in
   zoo)  # issue 36: decode at model shapes against FlashInfer; ZOO_ROWS (no spaces, e.g. D128 or 7,8,9,10) a subset
     python3 -m nvfp4_backend.tools.cli bench --zoo ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --out "$OUT/bench_zoo.json" \
-      --plot "$OUT/bench_zoo.png" 2>&1 | tee "$OUT/bench_zoo.log" | tail -30 ;;
+      --plot "$OUT/bench_zoo.png" 2>&1 | tee "$OUT/bench_zoo.log" | tail -30
+    # ZOO_VARIANTS: nvcc flags per variant, ';'-separated (each its own build), ours only, then the tree again
+    if [ -n "$ZOO_VARIANTS" ]; then
+      IFS=';' read -ra variants <<< "$ZOO_VARIANTS"
+      for v in "${variants[@]}" ""; do
+        NVFP4_BACKEND_NVCC_FLAGS="$v" python3 -m nvfp4_backend.tools.cli bench --zoo ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --no-peers \
+          --out "$OUT/bench_zoo_variant.json" 2>&1 | grep -v "INFO" | sed "s/^/[${v:-tree}] /" | tee -a "$OUT/bench_zoo_variants.log" | tail -14
+      done
+    fi ;;
 esac
 case $mode in
   modes) python3 -m pytest -q tests/gpu -k "6or4 or modes_end_to_end" 2>&1 | tee "$OUT/gpu_modes_tests.log" | tail -4
