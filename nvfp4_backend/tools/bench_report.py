@@ -4,7 +4,9 @@ from __future__ import annotations
 
 def format_rows(rows) -> str:
     return "\n".join(f"B={r['B']:4d} L={r['L']:6d} ps={r['page_size']:3d} q={r['q_len']} {r['impl']:>14s} {r['kv']:5s} "
-                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s" + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
+                     f"{r['us']:9.1f} us {r['tbps']:5.2f} TB/s"
+                     + (f" (back to back {r['us_b2b']:.1f} us {r['tbps_b2b']:.2f})" if 'us_b2b' in r else "")
+                     + (f" err={r['rel_err']:.1e}" if 'rel_err' in r else "")
                      + (f" splits={r['splits']}" if 'splits' in r else "")
                      + (f" heads/block={r['heads_per_block']}" if r.get('heads_per_block', 1) > 1 else "")
                      + (" fused" if r.get("fused") else "")
