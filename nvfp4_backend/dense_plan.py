@@ -44,8 +44,8 @@ class Pass:
 def extend_requests(query_lens: list[int], decode_len: int) -> range | None:
     """The requests from the first to the last one longer than ``decode_len`` query tokens (None when
     there are none).  Shorter ones between them ride along: the dense kernel takes any query length,
-    and the decode kernel's rows for them are overwritten, as the prefill kernel overwrites the rows
-    it computes for long ones (``extend``).  vLLM orders decodes first, SGLang's mixed batches last,
+    and the decode kernel's rows for them are overwritten (it leaves the long ones alone:
+    ``extend``).  vLLM orders decodes first, SGLang's mixed batches last,
     so the range is the prefills."""
     longer = [b for b, n in enumerate(query_lens) if n > decode_len]
     return range(longer[0], longer[-1] + 1) if longer else None
