@@ -54,7 +54,7 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
   st.pos = row_pos;
   load_queries<T, C>(p, t, q_rows, row_logit_scale);  // the rows' powers of two, to scale next
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first_pos = t.seq_len - t.q_len + t.first_token, last_pos = first_pos + t.tokens - 1;
+  const int first_pos = t.seq_len - t.q_len + t.first_token;
   const float logit_scale = p.softmax_scale * *p.k_global_scale * kValueBias * kLog2e;
   __syncwarp();
   for (int r = warp * C::kWarpRows + lane; r < (warp + 1) * C::kWarpRows; r += 32) {  // the warp's rows
@@ -73,8 +73,16 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
     for (int dt = 0; dt < kHeadDim / 8; ++dt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) st.o[rt][dt][i] = 0.0f;
-  // a warp whose rows are all past the tile's tokens only helps copy and dequantize
-  const bool warp_live = warp * C::kWarpRows / p.group_size < t.tokens;
+  // The positions the warp's rows see: [warp_lo, warp_hi].  A KV tile outside them changes none of its
+  // rows (their weights there are exactly 0), so the warp only helps copy and dequantize it, as a warp
+  // whose rows are all past the block's tokens does for every tile.  With a window, most of a short
+  // window's tiles are partly outside each warp's few tokens; without one, the diagonal's last tile
+  // lies past the first warps' tokens.  Within [warp_lo, warp_hi], only tiles that cross the warp's
+  // causal diagonal or its window's edge need the mask.
+  const int warp_first = warp * C::kWarpRows / p.group_size;
+  const int warp_last = min(((warp + 1) * C::kWarpRows - 1) / p.group_size, t.tokens - 1);
+  const int warp_hi = warp_first < t.tokens ? first_pos + warp_last : -1;
+  const int warp_lo = p.sliding_window > 0 ? first_pos + warp_first - p.sliding_window + 1 : 0;
 
   for (int tile = first_tile; tile < end_tile; ++tile) {
     cp_async_wait<C::kStages - 1>();
@@ -83,11 +91,10 @@ paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
     __syncthreads();  // the tiles are whole, and the stage is free for the copies of tile + kStages
     if (tile + C::kStages < end_tile) issue_copies<C>(p, t, tile + C::kStages, stage(tile));
     cp_async_commit();
-    if (warp_live) {
-      const int tile_start = tile * C::kTileTokens;
-      // only tiles that cross the causal diagonal or the window's edge (for any row) need the mask
-      const bool masked = tile_start + C::kTileTokens - 1 > first_pos ||
-                          (p.sliding_window > 0 && tile_start <= last_pos - p.sliding_window);
+    const int tile_start = tile * C::kTileTokens;
+    if (tile_start <= warp_hi && tile_start + C::kTileTokens - 1 >= warp_lo) {
+      const bool masked = tile_start + C::kTileTokens - 1 > first_pos + warp_first ||
+                          (p.sliding_window > 0 && tile_start <= warp_hi - p.sliding_window);
       Scores<C> s;
       tile_scores<C>(smem_addr(q_rows), smem_addr(k_tile), s);
       // the tile's variant, once per tile (per score, the tests and branches cost as much as the math)
