@@ -56,7 +56,7 @@ struct Config {
   static constexpr int kSmemBytes = kRowInfoOffset + kRows * 8;
   // the epilogue's fp32 output rows reuse Q, K and V's space once the loop is done
   static constexpr int kOutPitch = kHeadDim + 4;
-  static_assert(kWarps * 16 * kOutPitch * 4 <= kStageOffset, "the epilogue's rows must fit the tiles' space");
+  static_assert(kWarps * kWarpRows * kOutPitch * 4 <= kStageOffset, "the epilogue's rows must fit the tiles' space");
   // the copies: kCopyThreads threads per token share its K and V codes; two of them its scales
   static constexpr int kCopyThreads = kThreads / kTileTokens;
   static constexpr int kChunks = 2 * kDataBytes / kCopyBytes / kCopyThreads;  // data copies per thread

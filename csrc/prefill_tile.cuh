@@ -141,7 +141,11 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
   constexpr int E = C::kElementsPerLane;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float v_scale = *p.v_global_scale * kValueBias;
-  float* warp_rows = rows + warp * 16 * C::kOutPitch;  // one row tile at a time
+  // the warp's 32 rows at once, stored one row per lane (D <= 128 without rotation, as load_rows_by_lane
+  // loads them); else one row tile at a time, each row stored by the warp
+  constexpr bool kAllRows = C::kWarpRows == 32;
+  const bool by_lane = kAllRows && !p.hadamard;
+  float* warp_rows = rows + warp * (kAllRows ? 32 : 16) * C::kOutPitch;
 #pragma unroll
   for (int rt = 0; rt < C::kRowTiles; ++rt) {
 #pragma unroll
@@ -159,13 +163,14 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
         out_scale *= rescale;
       }
       out_scale = sum > 0.0f ? out_scale / sum : 0.0f;
-      float* row = warp_rows + ((lane >> 2) + 8 * half) * C::kOutPitch;
+      float* row = warp_rows + ((by_lane ? 16 * rt : 0) + (lane >> 2) + 8 * half) * C::kOutPitch;
 #pragma unroll
       for (int dt = 0; dt < C::kHeadDim / 8; ++dt)
 #pragma unroll
         for (int j = 0; j < 2; ++j) row[dt * 8 + stored_at(2 * (lane & 3) + j)] = st.o[rt][dt][2 * half + j] * out_scale;
     }
     __syncwarp();
+    if (by_lane) continue;
     for (int i = 0; i < 16; ++i) {
       const int r = warp * C::kWarpRows + rt * 16 + i, token = r / p.group_size;
       if (token >= t.tokens) break;  // rows past the tile's tokens: rows are token-major, none follow
@@ -183,6 +188,18 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
       if constexpr (E == 2) *reinterpret_cast<uint32_t*>(dst) = w[0];
     }
     __syncwarp();  // the next row tile overwrites the rows
+  }
+  if (by_lane) {
+    const int r = threadIdx.x, token = r / p.group_size;
+    if (token >= t.tokens) return;
+    const float4* row = reinterpret_cast<const float4*>(warp_rows + lane * C::kOutPitch);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t)(t.q_start + t.first_token + token) * p.out_stride_token +
+                                          (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.out_stride_head);
+#pragma unroll
+    for (int k = 0; k < C::kHeadDim / 8; ++k) {
+      const float4 a = row[2 * k], b = row[2 * k + 1];
+      dst[k] = make_uint4(pack2(a.x, a.y, T()), pack2(a.z, a.w, T()), pack2(b.x, b.y, T()), pack2(b.z, b.w, T()));
+    }
   }
 }
 
