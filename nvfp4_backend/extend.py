@@ -41,7 +41,8 @@ def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, bl
         decode_len = 0
     decode = decode_len > 0
     prefill = max_query_len > decode_len
-    side = _side_stream(q.device) if decode and prefill else None
+    side = _side_stream(q.device)  # made at the device's first call, before any graph capture that follows it
+    side = side if decode and prefill else None
     if prefill:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))  # the fork: after the caller's work
@@ -63,7 +64,7 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The decode kernel's stream in a mixed step, one per device, made at its first mixed step.  The
+    """The decode kernel's stream in a mixed step, one per device, made at the device's first call.  The
     tensors it touches belong to the caller's stream, which waits for it before the call returns, so
     the allocator sees no use after the join."""
     index = device.index if device.index is not None else torch.cuda.current_device()
