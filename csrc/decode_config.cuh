@@ -7,15 +7,10 @@
 #include <cstdint>
 #include "half_types.cuh"
 
-// The pipeline stages of D 64's kernels of one row warp (Config::kStages), for an A/B of the copies
-// in flight: 4 stages hold one softmax step in flight per warp, half the bytes of D 128's
-#ifndef NVFP4_DECODE_STAGES_HD64
-#define NVFP4_DECODE_STAGES_HD64 4
-#endif
-
 namespace nvfp4 {
 namespace decode {
 
+constexpr int kStages = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDequantBias = 128.0f;   // dequantized K/V carry a factor 2^-7
 // Softmax weights are computed times 2^15 (at most 2^15 <= fp16's 65504), so in fp16 they stay
@@ -58,12 +53,6 @@ struct Config {
   // registers, so its bound is 3 blocks per SM instead of 4 (no spills on sm_80, sm_90, sm_120)
   static constexpr int kTilesPerStep = kRowWarps == 1 && kHeadDim <= 128 ? 2 : 1;
   static constexpr int kStepSubTiles = kTilesPerStep * kSubTiles;
-  // The copy ring: kStages stages, kRingSteps softmax steps; a warp waits for its current step's
-  // copies while the next kRingSteps - 2 steps' fly
-  static constexpr int kStages = kHeadDim == 64 && kRowWarps == 1 ? NVFP4_DECODE_STAGES_HD64 : 4;
-  static constexpr int kRingSteps = kStages / kTilesPerStep;
-  // a fused kernel whose warps have more than their next step in flight: its steps are counted apart
-  static constexpr bool kDeepFusedRing = kFused && kRingSteps > 2;
   static constexpr int kRowsPerWarp = kRowTiles * 8;
   static constexpr int kMaxRows = kRowsPerWarp * kRowWarps;
   static constexpr int kKSteps = kHeadDim / 16;          // QK k-steps over the head dim

@@ -39,7 +39,6 @@ struct Copies {
   uint32_t data_dst, scale_dst;  // shared addresses in stage 0
   // tiles past the last one, up to a whole step, are copied as zeros (their pages are -1): the step reads them
   int step_tiles;
-  int chunk_stride;  // the fused kernel's warps per head (ring_chunk; set where Config::kDeepFusedRing)
 
   __device__ __forceinline__ int pos_of(int tile) const { return load_pos + (tile << tile_shift); }
   // the fused kernel's step `chunk` of a head: tokens begin + 32 chunk .. + 31, 16 per stage
@@ -57,7 +56,7 @@ struct Copies {
   // step's kTilesPerStep page indices.
   __device__ __forceinline__ void issue_step(int first_tile, int chunk, const int* pages) const {
     if (C::kFused ? chunk < warp_chunks : first_tile < step_tiles) {
-      const uint32_t stage = (first_tile % C::kStages) * C::kStageBytes;
+      const uint32_t stage = (first_tile % kStages) * C::kStageBytes;
 #pragma unroll
       for (int u = 0; u < C::kTilesPerStep; ++u) {
         const int page = pages[u];  // negative: no page, the copies write zeros
@@ -93,24 +92,19 @@ struct Copies {
 
   // The first stages' page indices load together (one table latency before the first copies, not a
   // chain of them); later ones load one loop iteration ahead of their copies (next_page)
-  __device__ __forceinline__ void first_pages(int (&pages)[C::kStages], int (&next_page)[C::kTilesPerStep], int chunk_cur,
+  __device__ __forceinline__ void first_pages(int (&pages)[kStages], int (&next_page)[C::kTilesPerStep], int chunk_cur,
                                               int chunk_next) const {
 #pragma unroll
-    for (int s = 0; s < C::kStages; ++s)
-      pages[s] = C::kFused ? page_at(chunk_pos(C::kDeepFusedRing ? ring_chunk(chunk_cur, s) : s < 2 ? chunk_cur : chunk_next, s & 1))
-                           : page_of(s);
+    for (int s = 0; s < kStages; ++s)
+      pages[s] = C::kFused ? page_at(chunk_pos(s < 2 ? chunk_cur : chunk_next, s & 1)) : page_of(s);
 #pragma unroll
-    for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = pages[C::kStages - C::kTilesPerStep + u];
+    for (int u = 0; u < C::kTilesPerStep; ++u) next_page[u] = pages[kStages - C::kTilesPerStep + u];
   }
-  // the pipeline's first steps (the fused kernel's: its ring's first kRingSteps - 1)
-  __device__ __forceinline__ void issue_prologue(const int& chunk_cur, const int (&pages)[C::kStages]) const {
+  // the pipeline's first steps (the fused kernel's one step: kStages 4)
+  __device__ __forceinline__ void issue_prologue(const int& chunk_cur, const int (&pages)[kStages]) const {
 #pragma unroll
-    for (int s = 0; s < C::kStages - C::kTilesPerStep; s += C::kTilesPerStep)
-      issue_step(s, C::kDeepFusedRing ? ring_chunk(chunk_cur, s) : chunk_cur, &pages[s]);
+    for (int s = 0; s < kStages - C::kTilesPerStep; s += C::kTilesPerStep) issue_step(s, chunk_cur, &pages[s]);
   }
-  // the fused kernel's step in ring stage s, counted from the step `chunk` in stage 0 (a warp's steps
-  // are its head's chunk_stride-th)
-  __device__ __forceinline__ int ring_chunk(int chunk, int s) const { return chunk + s / C::kTilesPerStep * chunk_stride; }
 };
 
 // The thread's Copies.  tid is the kernel's threadIdx.x, whose range the kernel's launch bounds give

@@ -127,10 +127,8 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   Copies<C, kRowCopies> copies;
   plan_copies<C, kRowCopies>(copies, p, smem, req, kv_base, heads_here, warp_head, warp_head_shift, sub_mask, tile_shift, begin, end,
                              num_tiles, threadIdx.x);
-  // this step's and the one whose copies go out next (kRingSteps - 1 steps on)
-  int chunk_cur = warp_rank, chunk_next = (C::kDeepFusedRing ? C::kRingSteps - 1 : 1) * warps_per_head + warp_rank;
-  if constexpr (C::kDeepFusedRing) copies.chunk_stride = warps_per_head;
-  int first_pages[C::kStages];
+  int chunk_cur = warp_rank, chunk_next = warps_per_head + warp_rank;  // this step's and the next one's
+  int first_pages[kStages];
   int next_page[C::kTilesPerStep];
   copies.first_pages(first_pages, next_page, chunk_cur, chunk_next);
   // the copies go out before the scale table and the query operands are built, which they then
@@ -164,20 +162,20 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
   const int v_off = C::data_offset(4 * c) + g * C::kVChunk, vs_off = 4 * c * C::kScaleBytes;
 
   __syncthreads();  // every warp reads the scale table (and the Q operands in shared memory)
-  // the fused kernel: `tile` counts the warp's stages, so tile % C::kStages is still its ring's place
+  // the fused kernel: `tile` counts the warp's stages, so tile % kStages is still its ring's place
   for (int tile = 0; C::kFused ? chunk_cur < copies.warp_chunks : tile < num_tiles; tile += C::kTilesPerStep) {
-    cp_async_wait<C::kRingSteps - 2>();  // a commit group per step
+    cp_async_wait<(kStages - 2 * C::kTilesPerStep) / C::kTilesPerStep>();  // a commit group per step
     // one row warp: a warp reads only the sub-tiles its own lanes copy, so a warp barrier orders its
     // copies and reads; row warps share their sub-tiles and need the block's barrier
     if constexpr (C::kTokenWarps == C::kWarps) __syncwarp();
     else __syncthreads();
-    copies.issue_step(tile + C::kStages - C::kTilesPerStep, chunk_next, next_page);  // step 2
-    const int chunk_after = chunk_next + warps_per_head;  // the fused kernel's step after that: its pages load now
+    copies.issue_step(tile + kStages - C::kTilesPerStep, chunk_next, next_page);  // step 2
+    const int chunk_after = chunk_next + warps_per_head;  // the fused kernel's step after next: its pages load now
 #pragma unroll
     for (int u = 0; u < C::kTilesPerStep; ++u)
-      next_page[u] = C::kFused ? copies.page_at(copies.chunk_pos(chunk_after, u)) : copies.page_of(tile + C::kStages + u);
+      next_page[u] = C::kFused ? copies.page_at(copies.chunk_pos(chunk_after, u)) : copies.page_of(tile + kStages + u);
     // the step's sub-tile j: this warp's sub-tile j % kSubTiles of stage tile + j / kSubTiles
-    auto stage_of = [&](int j) { return smem + ((tile + j / C::kSubTiles) % C::kStages) * C::kStageBytes; };
+    auto stage_of = [&](int j) { return smem + ((tile + j / C::kSubTiles) % kStages) * C::kStageBytes; };
     auto sub_of = [&](int j) { return token_warp + (j % C::kSubTiles) * C::kTokenWarps; };
 #pragma unroll
     for (int first = 0; first < C::kStepSubTiles; first += C::kTilesPerStep) {  // steps 3, 4, 5
@@ -193,8 +191,7 @@ paged_decode_kernel(const __grid_constant__ DecodeParams p) {
       ValueArrays<C> value_arrays;
       tile_values<C>(o_acc, value_arrays, p_frag, stage_of, sub_of, first, v_off, vs_off, scale_lut, g * C::kVChunk);
     }
-    if constexpr (C::kFused && !C::kDeepFusedRing) chunk_cur = chunk_next, chunk_next = chunk_after;
-    if constexpr (C::kDeepFusedRing) chunk_cur += warps_per_head, chunk_next = chunk_after;
+    if constexpr (C::kFused) chunk_cur = chunk_next, chunk_next = chunk_after;
   }
 
   // ---------------- step 6: the epilogue.  The output scale's load goes out before its barriers:
