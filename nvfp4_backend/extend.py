@@ -12,8 +12,6 @@ reads anything back to the host, so a call captures in a CUDA graph, the fork an
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from . import capabilities
@@ -42,32 +40,55 @@ def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, bl
     decode = decode_len > 0
     prefill = max_query_len > decode_len
     side = _side_stream(q.device)  # made at the device's first call, before any graph capture that follows it
-    side = side if decode and prefill else None
+    fork = decode and prefill
     if prefill:
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(q.device))  # the fork: after the caller's work
+        if fork:
+            side.fork()  # the decode kernel below starts after the caller's earlier work, beside the prefill
         kernels.paged_prefill(
             out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
             k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len + 1,
             rotation)
     if decode:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if fork:
+            torch.cuda.set_stream(side.stream)
+        try:
             kernels.paged_attention(
                 out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
                 k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len,
                 num_splits, workspace, rotation, heads_per_block, fused)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)  # the join: the caller's next work waits
+        finally:
+            if fork:
+                side.join()  # the caller's stream again, and its next work waits for the decode kernel
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+class _SideStream:
+    """The decode kernel's stream in a mixed step and the two events that fork it from the caller's
+    stream and join it back, made once per device (an event recorded again is reused, as a captured
+    graph's fork and join nodes allow).  The tensors the decode kernel touches belong to the caller's
+    stream, which waits for it before the call returns, so the allocator sees no use after the join."""
+
+    def __init__(self, index: int):
+        self.stream = torch.cuda.Stream(device=index)
+        self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
+        self.caller = None
+
+    def fork(self) -> None:
+        self.caller = torch.cuda.current_stream(self.stream.device)
+        self.forked.record(self.caller)
+        self.stream.wait_event(self.forked)
+
+    def join(self) -> None:
+        self.done.record(self.stream)
+        torch.cuda.set_stream(self.caller)
+        self.caller.wait_event(self.done)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The decode kernel's stream in a mixed step, one per device, made at the device's first call.  The
-    tensors it touches belong to the caller's stream, which waits for it before the call returns, so
-    the allocator sees no use after the join."""
+_SIDE_STREAMS: dict[int, _SideStream] = {}
+
+
+def _side_stream(device: torch.device) -> _SideStream:
+    """The device's side stream, made at its first call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+        _SIDE_STREAMS[index] = _SideStream(index)
     return _SIDE_STREAMS[index]
