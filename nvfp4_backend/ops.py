@@ -169,6 +169,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Ten
     bottom-right causal mask).  block_table: [batch, max_pages] int32 page indices.
     Returns ``out`` ([tokens, q_heads, D], q's dtype), allocated when not given.
 
+    ``max_query_len``: at least the longest request's query length (read from ``query_start_loc``
+    when not given); under a smaller bound a longer request may be left unwritten.
     Nothing is read back from the GPU when ``max_query_len`` and ``plan`` are given, or when the
     lengths are also given on the host (``seq_lens_cpu``, ``query_start_loc_cpu``: the engines have
     them), so the call captures in a CUDA graph; with ``out`` and ``workspace`` given too it
