@@ -12,6 +12,9 @@ reads anything back to the host, so a call captures in a CUDA graph, the fork an
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from . import capabilities
@@ -39,56 +42,55 @@ def attend_on_kernels(out, q, k_data, k_block_scales, v_data, v_block_scales, bl
         decode_len = 0
     decode = decode_len > 0
     prefill = max_query_len > decode_len
-    side = _side_stream(q.device)  # made at the device's first call, before any graph capture that follows it
-    fork = decode and prefill
-    if prefill:
-        if fork:
-            side.fork()  # the decode kernel below starts after the caller's earlier work, beside the prefill
-        kernels.paged_prefill(
-            out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
-            k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len + 1,
-            rotation)
-    if decode:
-        if fork:
-            torch.cuda.set_stream(side.stream)
-        try:
-            kernels.paged_attention(
+    side = _side_stream(q.device)  # made at the thread's first call, before any graph capture that follows it
+    caller = side.fork() if decode and prefill else None  # the decode kernel then starts beside the prefill
+    try:
+        if prefill:
+            kernels.paged_prefill(
                 out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
-                k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len,
-                num_splits, workspace, rotation, heads_per_block, fused)
-        finally:
-            if fork:
-                side.join()  # the caller's stream again, and its next work waits for the decode kernel
+                k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len + 1,
+                rotation)
+        if decode:
+            with torch.cuda.stream(side.stream) if caller is not None else contextlib.nullcontext():
+                kernels.paged_attention(
+                    out, q, k_data, k_block_scales, v_data, v_block_scales, block_table, seq_lens, query_start_loc,
+                    k_global_scale, v_global_scale, softmax_scale, sliding_window, logits_soft_cap, sinks, decode_len,
+                    num_splits, workspace, rotation, heads_per_block, fused)
+    finally:
+        if caller is not None:
+            side.join(caller)  # the caller's next work waits for the decode kernel, also after an error
 
 
 class _SideStream:
     """The decode kernel's stream in a mixed step and the two events that fork it from the caller's
-    stream and join it back, made once per device (an event recorded again is reused, as a captured
-    graph's fork and join nodes allow).  The tensors the decode kernel touches belong to the caller's
-    stream, which waits for it before the call returns, so the allocator sees no use after the join."""
+    stream and join it back, made once per device and thread (an event recorded again is reused, as a
+    captured graph's fork and join nodes allow; the current stream is per thread).  The tensors the
+    decode kernel touches belong to the caller's stream, which waits for it before the call returns,
+    so the allocator sees no use after the join."""
 
     def __init__(self, index: int):
         self.stream = torch.cuda.Stream(device=index)
         self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
-        self.caller = None
 
-    def fork(self) -> None:
-        self.caller = torch.cuda.current_stream(self.stream.device)
-        self.forked.record(self.caller)
+    def fork(self) -> torch.cuda.Stream:
+        """The side stream starts after the caller's work so far; returns the caller's stream."""
+        caller = torch.cuda.current_stream(self.stream.device)
+        self.forked.record(caller)
         self.stream.wait_event(self.forked)
+        return caller
 
-    def join(self) -> None:
+    def join(self, caller: torch.cuda.Stream) -> None:
         self.done.record(self.stream)
-        torch.cuda.set_stream(self.caller)
-        self.caller.wait_event(self.done)
+        caller.wait_event(self.done)
 
 
-_SIDE_STREAMS: dict[int, _SideStream] = {}
+_SIDE_STREAMS: dict[tuple[int, int], _SideStream] = {}
 
 
 def _side_stream(device: torch.device) -> _SideStream:
-    """The device's side stream, made at its first call."""
+    """The side stream of ``device`` for the calling thread, made at its first call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = _SideStream(index)
-    return _SIDE_STREAMS[index]
+    key = (index, threading.get_ident())
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = _SideStream(index)
+    return _SIDE_STREAMS[key]
