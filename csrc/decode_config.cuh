@@ -7,6 +7,12 @@
 #include <cstdint>
 #include "half_types.cuh"
 
+// An A/B of 17-32 rows at D 64 on one row warp of four row tiles (each token dequantized once) instead
+// of two row warps of two (each token dequantized by both): decode_kernel.cuh's launch_for_rows
+#ifndef NVFP4_DECODE_HD64_FOUR_ROW_TILES
+#define NVFP4_DECODE_HD64_FOUR_ROW_TILES 0
+#endif
+
 namespace nvfp4 {
 namespace decode {
 
@@ -105,6 +111,7 @@ struct Config {
   // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
   // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
   static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
+                                         : kRowTiles == 4 ? 2
                                          : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
                                          : kHeadDim == 256                                     ? 2
