@@ -51,6 +51,19 @@ __device__ __forceinline__ bool find_tile(const PrefillParams& p, Tile& t) {
   return true;
 }
 
+// Elements from q's (or out's) start to the block's row r: token r / group, q head kv_head * group + r % group
+__device__ __forceinline__ int64_t row_offset(const PrefillParams& p, const Tile& t, int r, int64_t stride_token,
+                                              int64_t stride_head) {
+  return (int64_t)(t.q_start + t.first_token + r / p.group_size) * stride_token +
+         (int64_t)(t.kv_head * p.group_size + r % p.group_size) * stride_head;
+}
+
+// 2^e with amax * 2^e in [2^14, 2^15): fp16 holds a row of that maximum with room for the rounding
+// (e <= 127: 2^e is finite; a row that small keeps its tiny elements as fp16 subnormals or zeros)
+__device__ __forceinline__ int fp16_row_exponent(float amax) {
+  return amax > 0.0f && amax < INFINITY ? min(14 - ilogbf(amax), 127) : 0;
+}
+
 // ------------------------------------------------------------------ step 1: the queries
 // Each warp loads its own kWarpRows rows (row r: token r / group, q head kv_head * group + r % group),
 // rotated by H in the Hadamard mode, scaled by a power of two into fp16 (its inverse stored in
@@ -67,8 +80,7 @@ __device__ __forceinline__ void load_row_tile(const PrefillParams& p, const Tile
 #pragma unroll
     for (int j = 0; j < E / 2; ++j) w[i][j] = 0u;
     if (token < t.tokens) {
-      const T* src = static_cast<const T*>(p.q) + (int64_t)(t.q_start + t.first_token + token) * p.q_stride_token +
-                     (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.q_stride_head + lane * E;
+      const T* src = static_cast<const T*>(p.q) + row_offset(p, t, r, p.q_stride_token, p.q_stride_head) + lane * E;
       if constexpr (E == 8) *reinterpret_cast<uint4*>(w[i]) = *reinterpret_cast<const uint4*>(src);
       if constexpr (E == 4) *reinterpret_cast<uint2*>(w[i]) = *reinterpret_cast<const uint2*>(src);
       if constexpr (E == 2) w[i][0] = *reinterpret_cast<const uint32_t*>(src);
@@ -90,9 +102,7 @@ __device__ __forceinline__ void load_row_tile(const PrefillParams& p, const Tile
     for (int j = 0; j < E; ++j) amax = fmaxf(amax, fabsf(x[j]));
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    // 2^e with amax * 2^e in [2^14, 2^15): fp16 holds it with room for the rounding (e <= 127: 2^e is
-    // finite; a row that small keeps its tiny elements as fp16 subnormals or zeros)
-    const int e = amax > 0.0f && amax < INFINITY ? min(14 - ilogbf(amax), 127) : 0;
+    const int e = fp16_row_exponent(amax);
     const float up = ldexpf(1.0f, e);
     if (lane == 0) row_scale[r] = ldexpf(1.0f, -e);
     __half* row = q_rows + r * C::kPitch + (lane * E & ~7);
@@ -111,8 +121,7 @@ __device__ __forceinline__ void load_rows_by_lane(const PrefillParams& p, const 
   constexpr int kPieces = C::kHeadDim / 8;  // 16-byte pieces of 8 elements
   const int r = threadIdx.x, token = r / p.group_size;  // warp w's lanes hold rows 32 w ..
   uint4 w[kPieces];
-  const T* src = static_cast<const T*>(p.q) + (int64_t)(t.q_start + t.first_token + token) * p.q_stride_token +
-                 (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.q_stride_head;
+  const T* src = static_cast<const T*>(p.q) + row_offset(p, t, r, p.q_stride_token, p.q_stride_head);
 #pragma unroll
   for (int k = 0; k < kPieces; ++k) w[k] = token < t.tokens ? reinterpret_cast<const uint4*>(src)[k] : make_uint4(0, 0, 0, 0);
   float amax = 0.0f;
@@ -125,7 +134,7 @@ __device__ __forceinline__ void load_rows_by_lane(const PrefillParams& p, const 
       amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
   }
-  const int e = amax > 0.0f && amax < INFINITY ? min(14 - ilogbf(amax), 127) : 0;
+  const int e = fp16_row_exponent(amax);
   const float up = ldexpf(1.0f, e);
   row_scale[r] = ldexpf(1.0f, -e);
   uint4* row = reinterpret_cast<uint4*>(q_rows + r * C::kPitch);

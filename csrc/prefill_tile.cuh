@@ -181,8 +181,7 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
       uint32_t w[E / 2];
 #pragma unroll
       for (int j = 0; j < E / 2; ++j) w[j] = pack2(x[2 * j], x[2 * j + 1], T());
-      T* dst = static_cast<T*>(p.out) + (int64_t)(t.q_start + t.first_token + token) * p.out_stride_token +
-               (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.out_stride_head + lane * E;
+      T* dst = static_cast<T*>(p.out) + row_offset(p, t, r, p.out_stride_token, p.out_stride_head) + lane * E;
       if constexpr (E == 8) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(w);
       if constexpr (E == 4) *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(w);
       if constexpr (E == 2) *reinterpret_cast<uint32_t*>(dst) = w[0];
@@ -193,8 +192,7 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, const Tile&
     const int r = threadIdx.x, token = r / p.group_size;
     if (token >= t.tokens) return;
     const float4* row = reinterpret_cast<const float4*>(warp_rows + lane * C::kOutPitch);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (int64_t)(t.q_start + t.first_token + token) * p.out_stride_token +
-                                          (int64_t)(t.kv_head * p.group_size + r % p.group_size) * p.out_stride_head);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row_offset(p, t, r, p.out_stride_token, p.out_stride_head));
 #pragma unroll
     for (int k = 0; k < C::kHeadDim / 8; ++k) {
       const float4 a = row[2 * k], b = row[2 * k + 1];
