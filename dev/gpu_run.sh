@@ -34,6 +34,16 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
+# run_variants "<nvcc flags;...>" <log name> <lines shown> <command...>: the command once per variant, each its own
+# build (NVFP4_BACKEND_NVCC_FLAGS), then the tree again to bound the drift; lines prefixed by the variant
+run_variants() {
+  local list=$1 log=$2 shown=$3 v; shift 3
+  [ -n "$list" ] || return 0
+  IFS=';' read -ra variants <<< "$list"
+  for v in "${variants[@]}" ""; do
+    NVFP4_BACKEND_NVCC_FLAGS="$v" "$@" 2>&1 | grep -v "INFO" | sed "s/^/[${v:-tree}] /" | tee -a "$OUT/$log" | tail -"$shown"
+  done
+}
 python3 -c "import torch, nvfp4_backend.jit as j; j.load(torch.device('cuda')); print('kernels built')" 2>&1 | tail -5
 echo "build: $(( $(date +%s) - t0 )) s"
 for mode in ${modes//,/ }; do
@@ -63,16 +73,9 @@ case $mode in
   step)  # issue 34: the engine-step mixes, ours (prefill kernel in graphs, dense path eagerly) and FlashInfer's
     python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} --iters ${ITERS:-10} --out "$OUT/bench_step.json" 2>&1 \
       | grep -v "INFO" | tee "$OUT/bench_step.log" | tail -12
-    # STEP_VARIANTS: nvcc flags per variant, ';'-separated (each its own build), ours only, e.g.
-    # STEP_VARIANTS="-DNVFP4_PREFILL_MIN_BLOCKS_HD64=3"; then the tree again, to bound the drift
-    if [ -n "$STEP_VARIANTS" ]; then
-      IFS=';' read -ra variants <<< "$STEP_VARIANTS"
-      for v in "${variants[@]}" ""; do
-        NVFP4_BACKEND_NVCC_FLAGS="$v" python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} --no-peers \
-          --iters ${ITERS:-10} --out "$OUT/bench_step_variant.json" 2>&1 | grep -v "INFO" | sed "s/^/[${v:-tree}] /" \
-          | tee -a "$OUT/bench_step_variants.log" | tail -8
-      done
-    fi ;;
+    # STEP_VARIANTS: nvcc flags per variant, ';'-separated, ours only, e.g. STEP_VARIANTS="-DNVFP4_PREFILL_MIN_BLOCKS_HD64=3"
+    run_variants "$STEP_VARIANTS" bench_step_variants.log 8 python3 -m nvfp4_backend.tools.cli bench --step ${STEP_MIXES:-all} \
+      --no-peers --iters ${ITERS:-10} --out "$OUT/bench_step_variant.json" ;;
 esac
 case $mode in
   bench|all) [ -n "$SKIP_MAIN_BENCH" ] || python3 -m nvfp4_backend.tools.cli bench --no-peers --grid 64x8192,1x131072,128x512,256x2048 --page-sizes 16,64 \
@@ -87,14 +90,9 @@ case $mode in
   zoo)  # issue 36: decode at model shapes against FlashInfer; ZOO_ROWS (no spaces, e.g. D128 or 7,8,9,10) a subset
     python3 -m nvfp4_backend.tools.cli bench --zoo ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --out "$OUT/bench_zoo.json" \
       --plot "$OUT/bench_zoo.png" 2>&1 | tee "$OUT/bench_zoo.log" | tail -30
-    # ZOO_VARIANTS: nvcc flags per variant, ';'-separated (each its own build), ours only, then the tree again
-    if [ -n "$ZOO_VARIANTS" ]; then
-      IFS=';' read -ra variants <<< "$ZOO_VARIANTS"
-      for v in "${variants[@]}" ""; do
-        NVFP4_BACKEND_NVCC_FLAGS="$v" python3 -m nvfp4_backend.tools.cli bench --zoo ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --no-peers \
-          --out "$OUT/bench_zoo_variant.json" 2>&1 | grep -v "INFO" | sed "s/^/[${v:-tree}] /" | tee -a "$OUT/bench_zoo_variants.log" | tail -14
-      done
-    fi ;;
+    # ZOO_VARIANTS: nvcc flags per variant, ';'-separated, ours only
+    run_variants "$ZOO_VARIANTS" bench_zoo_variants.log 14 python3 -m nvfp4_backend.tools.cli bench --zoo \
+      ${ZOO_ROWS:+--zoo-rows $ZOO_ROWS} --no-peers --out "$OUT/bench_zoo_variant.json" ;;
 esac
 case $mode in
   modes) python3 -m pytest -q tests/gpu -k "6or4 or modes_end_to_end" 2>&1 | tee "$OUT/gpu_modes_tests.log" | tail -4
