@@ -10,10 +10,18 @@ sources), and an FA3 one is about 2 MB, so they are built here once and carried:
     FLASHINFER_CUDA_ARCH_LIST=9.0a python dev/prebuild_flashinfer.py --aot-out .fi-aot
     # a device call: carry [".whl-fi-slim", ".fi-aot"]; dev/gpu_run.sh installs .fi-aot/ into FlashInfer
 
-Without a local nvcc setup, the same command on the device builds them there, side by side.  A
-CUDA toolkit without curand's headers or the driver's libcuda.so (a CPU machine) needs them found:
-CPATH=<nvidia-curand wheel>/nvidia/cu13/include and LIBRARY_PATH=<a folder with any libcuda.so>
-(the link only records libcuda.so.1; the GPU machine's driver provides it).
+Without a local nvcc setup, the same command on the device builds them there, side by side.  On a
+CPU machine, FlashInfer and what it imports go in a folder of their own (the interpreter here need
+not be the device's: the .so files do not depend on it), and the link needs curand's headers, the
+toolkit's libcudart and any libcuda.so (the link only records libcuda.so.1; the GPU machine's driver
+provides it).  An FA3 module takes 10-20 minutes of one core here:
+
+    pip install --no-deps --target /tmp/fisite .whl-fi/flashinfer_python-*.whl apache-tvm-ffi==0.1.15.post2 \
+        nvidia-curand tqdm requests urllib3 idna charset_normalizer certifi packaging nvidia-ml-py einops click tabulate
+    mkdir -p /tmp/cudastub && echo > /tmp/cudastub/e.c && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 \
+        -o /tmp/cudastub/libcuda.so /tmp/cudastub/e.c
+    PYTHONPATH=/tmp/fisite CPATH=/tmp/fisite/nvidia/cu13/include LIBRARY_PATH=/tmp/cudastub:/usr/local/cuda/lib64 \
+        FLASHINFER_CUDA_ARCH_LIST=9.0a python dev/prebuild_flashinfer.py --only 0,1,2 --jobs 2 --aot-out .fi-aot
 MODULES are the ones tests/gpu/test_dense.py, ``bench --prefill`` and ``bench --step`` use: the
 FA3 ragged/paged prefill (dense_prefill's dense kernel, FlashInfer's BF16 peer) and FlashInfer's
 FA2 prefill over NVFP4 pages (its NVFP4 peer).
