@@ -95,6 +95,17 @@ def test_info_shows_capacity(capsys):
     assert all(r["nvfp4_tokens"] > r["fp8_tokens"] > r["bf16_tokens"] > 0 for r in rows)
 
 
+def test_info_names_the_prefill_path(capsys, monkeypatch):
+    from nvfp4_backend.tools import cli
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prefill"] == "the PyTorch reference"  # this machine: no GPU
+    # on a GPU with the kernels: the dense path where it can run, else the kernel and the dense path's reason
+    monkeypatch.setattr("nvfp4_backend.dense_prefill.unavailable_reason", lambda device: None)
+    assert cli._prefill_path("cuda").startswith("eager calls: the dense path")
+    monkeypatch.setattr("nvfp4_backend.dense_prefill.unavailable_reason", lambda device: "FlashInfer is not installed")
+    assert cli._prefill_path("cuda") == "the prefill kernel (the dense path is off: FlashInfer is not installed)"
+
+
 def test_info_reports_the_kv_mode(capsys, monkeypatch):
     monkeypatch.setenv("NVFP4_BACKEND_KV_MODE", "hadamard-6or4")
     assert main(["info", "--json"]) == 0

@@ -20,6 +20,15 @@ def _kv_mode() -> str:
     return f"{mode} (${KV_MODE_ENV}; default {DEFAULT_KV_MODE})"
 
 
+def _prefill_path(device) -> str:
+    """Which path serves a step's long requests on ``device``, and why not the dense one."""
+    from ..dense_prefill import unavailable_reason
+    reason = unavailable_reason(device)
+    if reason is None:
+        return "eager calls: the dense path (FlashInfer's FA3 over dequantized rows); CUDA graphs: the prefill kernel"
+    return f"the prefill kernel (the dense path is off: {reason})"
+
+
 def cmd_info(args) -> int:
     import torch
 
@@ -42,8 +51,10 @@ def cmd_info(args) -> int:
         info["gpu"] = f"{torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]})"
         ok = capabilities.kernels_available(dev)
         info["cuda kernels"] = f"loaded ({jit.module_name(cap)})" if ok else f"unavailable: {capabilities.unavailable_reason(cap)}"
+        info["prefill"] = _prefill_path(dev) if ok else "the PyTorch reference"
     else:
         info["gpu"] = "none (the PyTorch reference path serves all ops)"
+        info["prefill"] = "the PyTorch reference"
     plugins = {}
     for group in ("vllm.general_plugins", "sglang.srt.plugins"):
         names = [ep.name for ep in md.entry_points(group=group) if ep.value.startswith("nvfp4_")]
@@ -79,7 +90,7 @@ _EXTERNAL = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nvfp4-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="versions, GPU, kernel build status, engine plugins")
+    p = sub.add_parser("info", help="versions, GPU, kernel build status, prefill path, engine plugins")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("compile-check", help="compile csrc/ for the given SM archs with nvcc (no GPU needed)")
