@@ -59,6 +59,12 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = 2e-2) 
     return ok
 
 
+def require(name: str, condition: bool) -> bool:
+    """A check that is not a numeric comparison, named in the output like the others."""
+    print(f"  {name:<44} {'ok' if condition else 'FAIL'}")
+    return bool(condition)
+
+
 def run_layout(layout: str, gen: torch.Generator) -> bool:
     print(f"{layout}:")
     raw = torch.randint(0, 256, (2 * NUM_KV_HEADS * BLOCK * fmt.bytes_per_token_head(HEAD) * NUM_BLOCKS * LAYERS,),
@@ -85,9 +91,9 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     cpu = PagedKVCache.allocate(NUM_BLOCKS, BLOCK, NUM_KV_HEADS, HEAD)
     ops.write_kv(k, v, slots, cpu, k_scale.cpu(), v_scale.cpu())
     page, offset = slots // BLOCK, slots % BLOCK
-    ok = all(torch.equal(g.cpu()[page, offset], c[page, offset]) for g, c in zip(cache.tensors(), cpu.tensors()))
-    print(f"  {'write_kv GPU bytes == reference bytes':<44} {'ok' if ok else 'FAIL'}")
-    ok &= torch.equal(other_before, vllm_layer_view(raw, layout, layer=0))
+    ok = require("write_kv GPU bytes == reference bytes",
+                 all(torch.equal(g.cpu()[page, offset], c[page, offset]) for g, c in zip(cache.tensors(), cpu.tensors())))
+    ok &= require("the other layer's pages untouched", torch.equal(other_before, vllm_layer_view(raw, layout, layer=0)))
     seq_lens = seq_lens.clamp(max=12 * BLOCK)
 
     # decode: plan for max_model_len once, capture, replay after the sequences grew.  Like vLLM's
@@ -137,7 +143,8 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
                                 HEAD ** -0.5, max_query_len=1, plan=m_plan, workspace=m_plan.allocate_workspace(DEV))
     want = reference.paged_attention_ref(mq, cpu, m_bt, m_seq, m_qsl, k_scale.cpu(), v_scale.cpu(), HEAD ** -0.5)
     ok &= check(f"decode {many} requests ({m_plan.heads_per_block} kv heads per block)", m_out, want)
-    ok &= m_plan.heads_per_block == 2
+    # the fused kernel takes up to 8 kv heads per block, the static one 2 or 4: any packing will do
+    ok &= require("the plan packs kv heads into blocks", m_plan.heads_per_block > 1)
 
     # prefill rows of a mixed step: 2 requests with 100 and 37 new tokens (dense path)
     p_q_lens, p_ctx = [100, 37], [50, 0]
@@ -201,7 +208,7 @@ def mixed_full_graph(cache, cpu, block_table, k_scale, v_scale, gen) -> bool:
         want = reference.paged_attention_ref(q[:rows].cpu(), cpu, block_table[:n], lens, starts, k_scale.cpu(),
                                              v_scale.cpu(), HEAD ** -0.5)
         ok &= check(f"mixed FULL graph replay: {name}", out[:rows], want)
-        ok &= bool(out[rows:].isnan().all())
+        ok &= require(f"rows past the step untouched ({name})", bool(out[rows:].isnan().all()))
     return ok
 
 
