@@ -7,12 +7,6 @@
 #include <cstdint>
 #include "half_types.cuh"
 
-// An A/B of 17-32 rows at D 64 on one row warp of four row tiles (each token dequantized once) instead
-// of two row warps of two (each token dequantized by both): decode_kernel.cuh's launch_for_rows
-#ifndef NVFP4_DECODE_HD64_FOUR_ROW_TILES
-#define NVFP4_DECODE_HD64_FOUR_ROW_TILES 0
-#endif
-
 namespace nvfp4 {
 namespace decode {
 
