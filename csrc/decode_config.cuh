@@ -101,7 +101,8 @@ struct Config {
   // registers with spills, and at hd128 loop indices recomputed every iteration: slower
   // (docs/kernels.md#decode).  hd256: 2, what its shared memory
   // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
-  // spills).  0 leaves the others to the compiler.
+  // spills).  Four row tiles (hd64, 17-32 rows): 2, the planner's count for 32 rows (188-196
+  // registers, no spills).  0 leaves the others to the compiler.
   // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
   // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
   static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps

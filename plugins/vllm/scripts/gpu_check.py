@@ -10,7 +10,7 @@ CUDA kernels:
   * decode via ``ops.paged_attention`` with a plan for ``max_model_len`` and a preallocated
     workspace, captured in a CUDA graph and replayed after the sequences grew (what a FULL graph
     does in vLLM), compared with the reference;
-  * a decode batch of 128 requests, for which the planner puts two kv heads in one thread block;
+  * a decode batch of 128 requests, for which the planner puts several kv heads in one thread block;
   * a mixed step's prefill rows (dense path) compared with the reference;
   * a mixed batch's FULL graph as ``build_for_cudagraph_capture`` makes it (one call over every
     request, captured on vLLM's dummy batch), replayed for two different mixes written into its
@@ -132,7 +132,7 @@ def run_layout(layout: str, gen: torch.Generator) -> bool:
     print(f"  decode replay {1e6 * (time.perf_counter() - t0) / 20:.1f} us/step (one layer)")
 
     # a decode batch large enough that the planner packs kv heads into thread blocks: 128 requests
-    # over the same pages (each block then streams two kv heads of vLLM's inline pages)
+    # over the same pages (each block then streams several kv heads of vLLM's inline pages)
     many = 128
     pick = torch.arange(many) % batch
     m_bt, m_seq, m_qsl = block_table[pick], seq_lens[pick], torch.arange(many + 1, dtype=torch.int32)
