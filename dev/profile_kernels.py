@@ -3,7 +3,8 @@
     ncu --set full -k regex:"paged_decode|write_kv" -o $OUT/profile python3 dev/profile_kernels.py
 
 Shape as in `nvfp4-backend bench`: 32 q heads, 8 kv heads, head dim 128, HND pages of 16, bf16, unless
---q-heads, --kv-heads and --head-dim give a model's (bench --zoo's rows); --no-write leaves the writer out.
+--q-heads, --kv-heads and --head-dim give a model's (bench --zoo's rows); --q-lens runs each grid at each
+query length (4: speculative decode); --no-write leaves the writer out.
 """
 import argparse
 import types
@@ -21,6 +22,7 @@ def main() -> None:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--q-lens", default="1", help="query tokens per request, comma-separated")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     dev, gen = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
@@ -28,11 +30,12 @@ def main() -> None:
     for case in args.grid.split(","):
         B, L = map(int, case.split("x"))
         batch = bench.uniform_batch(B, L, 16, shape, dev, gen)
-        q = torch.randn(B, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
-        batch.attention(q, 1)  # plans and runs the op once
-        torch.cuda.synchronize()
+        for q_len in map(int, args.q_lens.split(",")):
+            q = torch.randn(B * q_len, shape.q_heads, shape.head_dim, dtype=torch.bfloat16, device=dev, generator=gen)
+            batch.attention(q, q_len)  # plans and runs the op once
+            torch.cuda.synchronize()
     if args.no_write:
-        print("profiled", args.grid)
+        print("profiled", args.grid, "at q_len", args.q_lens)
         return
     tokens = 16384
     cache = PagedKVCache.allocate(tokens // 16 + 1, 16, 8, 128, "HND", dev)
