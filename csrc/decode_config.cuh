@@ -7,6 +7,13 @@
 #include <cstdint>
 #include "half_types.cuh"
 
+// An A/B of D 128's 17-64 rows on row warps of four row tiles (17-32 rows: one row warp, each token
+// dequantized once; 33-64: two, each token dequantized twice) instead of row warps of two (each token
+// dequantized by two or four row warps): decode_kernel.cuh's launch_for_rows
+#ifndef NVFP4_DECODE_HD128_FOUR_ROW_TILES
+#define NVFP4_DECODE_HD128_FOUR_ROW_TILES 0
+#endif
+
 namespace nvfp4 {
 namespace decode {
 

@@ -262,10 +262,13 @@ cudaError_t launch_for_rows(const DecodeParams& p, cudaStream_t stream) {
     if (p.max_rows <= 16) return launch<T, kHeadDim, 2, 1>(p, stream);
     // 17-32 rows: at D 64 one row warp of four row tiles, which dequantizes each token once; at D 128
     // two row warps of two, each dequantizing every token (four row tiles' accumulators do not fit)
-    if constexpr (kHeadDim == 64) {
+    if constexpr (kHeadDim == 64 || NVFP4_DECODE_HD128_FOUR_ROW_TILES) {
       if (p.max_rows <= 32) return launch<T, kHeadDim, 4, 1>(p, stream);
     } else {
       if (p.max_rows <= 32) return launch<T, kHeadDim, 2, 2>(p, stream);
+    }
+    if constexpr (kHeadDim == 128 && NVFP4_DECODE_HD128_FOUR_ROW_TILES) {
+      if (p.max_rows <= 64) return launch<T, kHeadDim, 4, 2>(p, stream);
     }
     if (p.max_rows <= 64) return launch<T, kHeadDim, 2, 4>(p, stream);
   } else {
