@@ -13,6 +13,11 @@
 #ifndef NVFP4_DECODE_HD128_FOUR_ROW_TILES
 #define NVFP4_DECODE_HD128_FOUR_ROW_TILES 0
 #endif
+// An A/B of D 64's four-row-tile kernel (17-32 rows) bound to 3 blocks per SM (some 168 registers)
+// instead of 2: Config::kMinBlocksPerSm
+#ifndef NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS
+#define NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS 2
+#endif
 
 namespace nvfp4 {
 namespace decode {
@@ -113,7 +118,7 @@ struct Config {
   // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
   // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
   static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
-                                         : kRowTiles == 4 ? 2
+                                         : kRowTiles == 4 ? (kHeadDim == 64 ? NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS : 2)
                                          : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
                                          : kHeadDim == 256                                     ? 2
