@@ -249,7 +249,31 @@ cudaError_t launch_fused(const DecodeParams& p, cudaStream_t stream) {
   return launch<T, kHeadDim, kRowTiles, 1>(one_head, stream);
 }
 
-// Row capacity configurations: (row tiles per warp, row warps); the first that fits max_rows.
+// The static kernel for up to `rows` query rows (8, 16, 32 or 64): (row tiles per warp, row warps).
+// 17-32 rows: at D 64 one row warp of four row tiles, which dequantizes each token once; at D 128 two
+// row warps of two, each dequantizing every token (four row tiles' accumulators do not fit).
+// decode_limits.cu checks each one's launch bound against the planner's blocks per SM.
+struct RowConfig {
+  int tiles, warps;
+};
+template <int kHeadDim>
+constexpr RowConfig row_config(int rows) {
+  if (rows <= 8) return {1, 1};
+  if (kHeadDim == 256) return {1, rows <= 16 ? 2 : 4};
+  if (rows <= 16) return {2, 1};
+  if (rows <= 32) return kHeadDim == 64 || NVFP4_DECODE_HD128_FOUR_ROW_TILES ? RowConfig{4, 1} : RowConfig{2, 2};
+  return kHeadDim == 128 && NVFP4_DECODE_HD128_FOUR_ROW_TILES ? RowConfig{4, 2} : RowConfig{2, 4};
+}
+template <int kHeadDim, int kRows>
+using RowConfigOf = Config<kHeadDim, row_config<kHeadDim>(kRows).tiles, row_config<kHeadDim>(kRows).warps>;
+
+template <typename T, int kHeadDim, int kRows>
+cudaError_t launch_rows(const DecodeParams& p, cudaStream_t stream) {
+  constexpr RowConfig config = row_config<kHeadDim>(kRows);
+  return launch<T, kHeadDim, config.tiles, config.warps>(p, stream);
+}
+
+// The first configuration that fits max_rows (the fused kernel where the plan asks for it).
 template <typename T, int kHeadDim>
 cudaError_t launch_for_rows(const DecodeParams& p, cudaStream_t stream) {
   if (p.fused_warps != 0) {  // decode_fused_ok: D <= 128, up to 16 rows
@@ -257,23 +281,11 @@ cudaError_t launch_for_rows(const DecodeParams& p, cudaStream_t stream) {
                                                           : launch_fused<T, kHeadDim, 2>(p, stream);
     return cudaErrorInvalidValue;
   }
-  if (p.max_rows <= 8) return launch<T, kHeadDim, 1, 1>(p, stream);
-  if constexpr (kHeadDim <= 128) {
-    if (p.max_rows <= 16) return launch<T, kHeadDim, 2, 1>(p, stream);
-    // 17-32 rows: at D 64 one row warp of four row tiles, which dequantizes each token once; at D 128
-    // two row warps of two, each dequantizing every token (four row tiles' accumulators do not fit)
-    if constexpr (kHeadDim == 64 || NVFP4_DECODE_HD128_FOUR_ROW_TILES) {
-      if (p.max_rows <= 32) return launch<T, kHeadDim, 4, 1>(p, stream);
-    } else {
-      if (p.max_rows <= 32) return launch<T, kHeadDim, 2, 2>(p, stream);
-    }
-    if constexpr (kHeadDim == 128 && NVFP4_DECODE_HD128_FOUR_ROW_TILES) {
-      if (p.max_rows <= 64) return launch<T, kHeadDim, 4, 2>(p, stream);
-    }
-    if (p.max_rows <= 64) return launch<T, kHeadDim, 2, 4>(p, stream);
-  } else {
-    if (p.max_rows <= 16) return launch<T, kHeadDim, 1, 2>(p, stream);
-    if (p.max_rows <= 32) return launch<T, kHeadDim, 1, 4>(p, stream);
+  if (p.max_rows <= 8) return launch_rows<T, kHeadDim, 8>(p, stream);
+  if (p.max_rows <= 16) return launch_rows<T, kHeadDim, 16>(p, stream);
+  if (p.max_rows <= 32) return launch_rows<T, kHeadDim, 32>(p, stream);
+  if constexpr (decode_max_rows(kHeadDim) >= 64) {
+    if (p.max_rows <= 64) return launch_rows<T, kHeadDim, 64>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

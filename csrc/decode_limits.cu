@@ -25,6 +25,27 @@ static_assert(Config<64, 2, 4>::kMaxRows == decode_max_rows(64) && Config<128, 2
                   Config<256, 1, 4>::kMaxRows == decode_max_rows(256),
               "capabilities.DECODE_MAX_ROWS are not the decode kernels' widest row configurations");
 
+// blocks per SM: the split planner never aims for more than a static kernel's launch bound keeps
+// resident (0: a bound left to the compiler).  kDecodeBlocksPerSm: [head dim][up to 8, 16, 32, 64 rows]
+constexpr int planned_blocks_per_sm(int head_dim, int rows) {
+  const int band = rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
+  for (int i = 0; i < int(sizeof(kHeadDims) / sizeof(kHeadDims[0])); ++i)
+    if (kHeadDims[i] == head_dim) return kDecodeBlocksPerSm[i * 4 + band];
+  return 0;
+}
+template <int kHeadDim, int kRows>
+constexpr bool bound_keeps_planned() {
+  constexpr int bound = RowConfigOf<kHeadDim, kRows>::kMinBlocksPerSm;
+  return kRows > decode_max_rows(kHeadDim) || bound == 0 || bound >= planned_blocks_per_sm(kHeadDim, kRows);
+}
+template <int kHeadDim>
+constexpr bool bounds_keep_planned() {
+  return bound_keeps_planned<kHeadDim, 8>() && bound_keeps_planned<kHeadDim, 16>() && bound_keeps_planned<kHeadDim, 32>() &&
+         bound_keeps_planned<kHeadDim, 64>();
+}
+static_assert(bounds_keep_planned<64>() && bounds_keep_planned<128>() && bounds_keep_planned<256>(),
+              "capabilities.DECODE_BLOCKS_PER_SM plans more blocks per SM than a decode kernel's launch bound keeps resident");
+
 // kv heads per block: the static kernels of one row tile, the fused kernels of one and two
 static_assert(Config<64, 1, 1>::kMaxHeads == kPackedMaxHeads && Config<128, 1, 1>::kMaxHeads == kPackedMaxHeads,
               "capabilities.PACKED_MAX_HEADS is not the static kernels' kv heads per block");

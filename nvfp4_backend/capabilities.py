@@ -9,6 +9,7 @@ layout (its shared memory, its rows and heads per block) the build ``static_asse
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -27,6 +28,11 @@ MAX_SPLITS = 8192
 """Most KV splits per (request, kv head) the decode op accepts (the merge itself takes any count)."""
 ROW_TILE = 8
 """Query rows of one MMA row tile of the decode kernels."""
+DECODE_BLOCKS_PER_SM = {64: (4, 4, 2, 2), 128: (4, 3, 2, 2), 256: (2, 2, 2, 0)}
+"""Thread blocks per SM the split planner aims for with the static decode kernel that serves up to 8,
+16, 32 and 64 query rows, per head dim (0: no such kernel).  Never more than the kernel's launch bound
+keeps resident (csrc Config::kMinBlocksPerSm, which the build checks against this table): a plan for
+more leaves a partial wave.  Why each count: ``planner.blocks_per_sm``."""
 PACKED_MAX_HEADS = 4
 """Most kv heads one static decode block packs (plain decode, all packed rows in one row tile)."""
 FUSED_HEAD_DIMS = (64, 128)
@@ -45,6 +51,12 @@ blocks per SM want four times the splits."""
 def decode_max_rows(head_dim: int) -> int:
     """Query rows one decode thread block serves at ``head_dim`` (0: no decode kernel for it)."""
     return DECODE_MAX_ROWS.get(head_dim, 0)
+
+
+def decode_blocks_per_sm(rows: int, head_dim: int) -> int:
+    """DECODE_BLOCKS_PER_SM's count for the static decode kernel of ``rows`` query rows."""
+    bands = DECODE_BLOCKS_PER_SM[head_dim]
+    return bands[min(len(bands) - 1, max(0, math.ceil(math.log2(max(rows, 1) / ROW_TILE))))]
 
 
 def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:

@@ -80,7 +80,7 @@ def limits_header() -> str:
     dispatch and the binding compile against the numbers the planner and the ops check, and
     csrc/decode_limits.cu checks those that follow from the kernels' layout against it."""
     c = capabilities
-    for name in ("DECODE_MAX_ROWS", "PREFILL_ROWS"):
+    for name in ("DECODE_MAX_ROWS", "PREFILL_ROWS", "DECODE_BLOCKS_PER_SM"):
         if set(getattr(c, name)) != set(c.SUPPORTED_HEAD_DIMS):
             raise ValueError(f"capabilities.{name} must cover SUPPORTED_HEAD_DIMS {c.SUPPORTED_HEAD_DIMS}, "
                              f"got {sorted(getattr(c, name))}")
@@ -90,6 +90,8 @@ def limits_header() -> str:
         "kPrefillRows": ("PREFILL_ROWS", tuple(c.PREFILL_ROWS[d] for d in c.SUPPORTED_HEAD_DIMS)),
         "kMaxSplits": ("MAX_SPLITS", c.MAX_SPLITS),
         "kRowTile": ("ROW_TILE", c.ROW_TILE),
+        # [head dim][up to 8, 16, 32, 64 rows], flattened
+        "kDecodeBlocksPerSm": ("DECODE_BLOCKS_PER_SM", tuple(n for d in c.SUPPORTED_HEAD_DIMS for n in c.DECODE_BLOCKS_PER_SM[d])),
         "kPackedMaxHeads": ("PACKED_MAX_HEADS", c.PACKED_MAX_HEADS),
         "kFusedHeadDims": ("FUSED_HEAD_DIMS", c.FUSED_HEAD_DIMS),
         "kFusedMaxRows": ("FUSED_MAX_ROWS", c.FUSED_MAX_ROWS),

@@ -16,8 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from .dense_prefill import DensePrefillPlan
-from .capabilities import ROW_TILE, decode_query_len as decode_query_limit, fused_allowed, fused_fits, \
-    heads_per_block_allowed
+from .capabilities import DECODE_BLOCKS_PER_SM, ROW_TILE, decode_blocks_per_sm, decode_query_len as decode_query_limit, \
+    fused_allowed, fused_fits, heads_per_block_allowed
 
 
 @dataclass(frozen=True)
@@ -44,26 +44,24 @@ class AttentionPlan:
 
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
-SPLIT_BLOCKS_PER_SM = 4
+SPLIT_BLOCKS_PER_SM = DECODE_BLOCKS_PER_SM[128][0]
 """Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
 one row tile, D <= 128).  The count is rounded down: the splits never spill a partial extra wave past
 that many blocks per SM.  Kernels that keep fewer blocks resident (more registers, or D 256's shared
-memory) get less: blocks_per_sm."""
+memory) get less: blocks_per_sm.  An experiment may set another (``bench --blocks-per-sm``): every
+kernel's count scales with it."""
 
 
 def blocks_per_sm(rows: int, head_dim: int) -> int:
-    """Blocks per SM of the kernel for ``rows`` query rows, what it keeps resident (csrc
-    Config::kMinBlocksPerSm gives the launch bounds): the split planner's target and the
-    heads-per-block picker's wave.  At D <= 128, SPLIT_BLOCKS_PER_SM for one row tile and for two at
-    D 64 (their launch bound, 4); 3/4 of it for two row tiles at D 128, whose kernel takes two
-    stages per iteration in some 160 registers (bound 3); half of it for 32 rows and for D 256,
-    whose kernels' shared memory keeps 2.  Planning for more blocks than stay resident leaves a
+    """Blocks per SM of the static kernel for ``rows`` query rows, what it keeps resident: the split
+    planner's target and the heads-per-block picker's wave (``capabilities.DECODE_BLOCKS_PER_SM``,
+    scaled where SPLIT_BLOCKS_PER_SM was set).  At D <= 128, 4 for one row tile and for two at D 64
+    (their launch bound); 3 for two row tiles at D 128, whose kernel takes two stages per iteration in
+    some 160 registers (bound 3); 2 for 17-64 rows, whose kernels' registers keep 2 (four row tiles), and
+    for D 256, whose shared memory keeps 2.  Planning for more blocks than stay resident leaves a
     partial wave (the measurements: docs/decisions.md, planner)."""
-    if head_dim > 128 or rows > 16:
-        return max(1, SPLIT_BLOCKS_PER_SM // 2)
-    if rows <= 8 or head_dim <= 64:
-        return SPLIT_BLOCKS_PER_SM
-    return max(1, SPLIT_BLOCKS_PER_SM * 3 // 4)
+    planned = decode_blocks_per_sm(rows, head_dim) * SPLIT_BLOCKS_PER_SM // DECODE_BLOCKS_PER_SM[128][0]
+    return max(1, planned)
 
 
 def num_sms(device) -> int:

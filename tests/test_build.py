@@ -54,7 +54,7 @@ def _compile_limits_check(nvcc: str, limits: Path, obj: Path) -> subprocess.Comp
 
 def test_the_kernels_layout_checks_the_generated_limits(tmp_path, monkeypatch):
     """csrc/decode_limits.cu static_asserts the generated limits that follow from the kernels' layout
-    (shared memory, rows and heads per block): the header of capabilities as they are compiles, and
+    (shared memory, rows and heads per block, blocks per SM): the header of capabilities as they are compiles, and
     one with those limits changed fails with a message naming each."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -65,9 +65,10 @@ def test_the_kernels_layout_checks_the_generated_limits(tmp_path, monkeypatch):
     monkeypatch.setattr(capabilities, "DECODE_MAX_ROWS", capabilities.DECODE_MAX_ROWS | {256: 64})
     monkeypatch.setattr(capabilities, "PACKED_MAX_HEADS", 8)
     monkeypatch.setattr(capabilities, "FUSED_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setattr(capabilities, "DECODE_BLOCKS_PER_SM", capabilities.DECODE_BLOCKS_PER_SM | {128: (4, 4, 2, 2)})
     bad = _compile_limits_check(nvcc, jit.write_limits_header(tmp_path / "bad"), tmp_path / "bad.o")
     assert bad.returncode != 0
-    for name in ("FUSED_SHARED_MEMORY", "DECODE_MAX_ROWS", "PACKED_MAX_HEADS", "FUSED_HEAD_DIMS"):
+    for name in ("FUSED_SHARED_MEMORY", "DECODE_MAX_ROWS", "PACKED_MAX_HEADS", "FUSED_HEAD_DIMS", "DECODE_BLOCKS_PER_SM"):
         assert f"capabilities.{name} " in bad.stderr, bad.stderr
 
 
