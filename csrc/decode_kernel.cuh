@@ -251,7 +251,8 @@ cudaError_t launch_fused(const DecodeParams& p, cudaStream_t stream) {
 
 // The static kernel for up to `rows` query rows (8, 16, 32 or 64): (row tiles per warp, row warps).
 // 17-32 rows: at D 64 one row warp of four row tiles, which dequantizes each token once; at D 128 two
-// row warps of two, each dequantizing every token (four row tiles' accumulators do not fit).
+// row warps of two, each dequantizing every token (NVFP4_DECODE_HD128_FOUR_ROW_TILES: four row tiles
+// there too, in 240-255 registers, an A/B: docs/decisions.md#open).
 // decode_limits.cu checks each one's launch bound against the planner's blocks per SM.
 struct RowConfig {
   int tiles, warps;
