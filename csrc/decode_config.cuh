@@ -7,18 +7,6 @@
 #include <cstdint>
 #include "half_types.cuh"
 
-// An A/B of D 128's 17-64 rows on row warps of four row tiles (17-32 rows: one row warp, each token
-// dequantized once; 33-64: two, each token dequantized twice) instead of row warps of two (each token
-// dequantized by two or four row warps): decode_kernel.cuh's launch_for_rows
-#ifndef NVFP4_DECODE_HD128_FOUR_ROW_TILES
-#define NVFP4_DECODE_HD128_FOUR_ROW_TILES 0
-#endif
-// An A/B of D 64's four-row-tile kernel (17-32 rows) bound to 3 blocks per SM (some 168 registers)
-// instead of 2: Config::kMinBlocksPerSm
-#ifndef NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS
-#define NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS 2
-#endif
-
 namespace nvfp4 {
 namespace decode {
 
@@ -97,10 +85,10 @@ struct Config {
   // E4M3 byte -> packed fp16 {scale, scale} * kScaleBias: one shared load per block scale
   // instead of a dozen conversion instructions
   static constexpr int kLutOffset = (kBufferBytes + 15) / 16 * 16;
-  // kernels with two row tiles and up to two row warps keep the Q^T operands in shared memory, one
-  // copy per row warp ([row warp][tile][k-step][lane] x 8 bytes), instead of 16 registers per row
-  // tile per thread: their registers would otherwise allow one block per SM fewer (the 64-row kernel
-  // is held to 3 by its registers and shared memory either way)
+  // kernels of two or four row tiles and up to two row warps keep the Q^T operands in shared memory,
+  // one copy per row warp ([row warp][tile][k-step][lane] x 8 bytes), instead of kKSteps * 2 registers
+  // per row tile per thread: their registers would otherwise allow one block per SM fewer (D 64's
+  // 64-row kernel of four row warps is held to 3 by its registers and shared memory either way)
   static constexpr bool kQInSmem = kRowTiles > 1 && kRowWarps <= 2;
   static constexpr int kQOffset = kLutOffset + 256 * 4;
   static constexpr int kQBytes = kQInSmem ? (kFused ? kMaxHeads : kRowWarps) * kRowTiles * kKSteps * 32 * 8 : 0;
@@ -113,12 +101,13 @@ struct Config {
   // registers with spills, and at hd128 loop indices recomputed every iteration: slower
   // (docs/kernels.md#decode).  hd256: 2, what its shared memory
   // allows on sm_80 and sm_90 (unbounded, ptxas gave the fp16 32-row kernel 168 registers and
-  // spills).  Four row tiles (hd64, 17-32 rows): 2, the planner's count for 32 rows (188-196
-  // registers, no spills).  0 leaves the others to the compiler.
+  // spills).  Four row tiles (17-32 rows, and 33-64 at hd128): 2, the planner's count
+  // for those rows (hd64 188-196 registers, hd128 240-255; no spills at sm_90 and sm_120).  Bound to 3,
+  // hd64's spilled and was 1-3 % slower (docs/decisions.md).  0 leaves the others to the compiler.
   // fused: one block of 16 warps (128 registers, as the static one-row-tile kernel's 4 blocks) or 12
   // (170: the hd128 two-row-tile kernel's 3 blocks; ptxas gives hd64's 120-126)
   static constexpr int kMinBlocksPerSm = kFused ? (kRowTiles == 1 ? 16 : 12) / kWarps
-                                         : kRowTiles == 4 ? (kHeadDim == 64 ? NVFP4_DECODE_HD64_FOUR_ROW_TILE_BLOCKS : 2)
+                                         : kRowTiles == 4 ? 2
                                          : kQInSmem ? (kTilesPerStep == 2 && kHeadDim == 128 ? 3 : 4)
                                          : kRowTiles == 1 && kRowWarps == 1 && kHeadDim <= 128 ? 4
                                          : kHeadDim == 256                                     ? 2

@@ -250,9 +250,9 @@ cudaError_t launch_fused(const DecodeParams& p, cudaStream_t stream) {
 }
 
 // The static kernel for up to `rows` query rows (8, 16, 32 or 64): (row tiles per warp, row warps).
-// 17-32 rows: at D 64 one row warp of four row tiles, which dequantizes each token once; at D 128 two
-// row warps of two, each dequantizing every token (NVFP4_DECODE_HD128_FOUR_ROW_TILES: four row tiles
-// there too, in 240-255 registers, an A/B: docs/decisions.md#open).
+// Four row tiles where more than 16 rows fit (all but D 256): each row warp dequantizes every token
+// it reads, so 17-32 rows take one row warp (each token dequantized once) and 33-64 at D 128 two;
+// D 64's 33-64 rows keep four row warps of two (docs/kernels.md#registers-and-launch-bounds).
 // decode_limits.cu checks each one's launch bound against the planner's blocks per SM.
 struct RowConfig {
   int tiles, warps;
@@ -262,8 +262,8 @@ constexpr RowConfig row_config(int rows) {
   if (rows <= 8) return {1, 1};
   if (kHeadDim == 256) return {1, rows <= 16 ? 2 : 4};
   if (rows <= 16) return {2, 1};
-  if (rows <= 32) return kHeadDim == 64 || NVFP4_DECODE_HD128_FOUR_ROW_TILES ? RowConfig{4, 1} : RowConfig{2, 2};
-  return kHeadDim == 128 && NVFP4_DECODE_HD128_FOUR_ROW_TILES ? RowConfig{4, 2} : RowConfig{2, 4};
+  if (rows <= 32) return {4, 1};
+  return kHeadDim == 128 ? RowConfig{4, 2} : RowConfig{2, 4};
 }
 template <int kHeadDim, int kRows>
 using RowConfigOf = Config<kHeadDim, row_config<kHeadDim>(kRows).tiles, row_config<kHeadDim>(kRows).warps>;
