@@ -21,8 +21,11 @@ static_assert(same(kFusedHeadDims, {64, 128}), "capabilities.FUSED_HEAD_DIMS are
 
 // rows: a row tile of the MMA, and the widest configuration launch_for_rows takes per head dim
 static_assert(Config<128, 1, 1>::kMaxRows == kRowTile, "capabilities.ROW_TILE is not the kernels' row tile");
-static_assert(Config<64, 2, 4>::kMaxRows == decode_max_rows(64) && Config<128, 2, 4>::kMaxRows == decode_max_rows(128) &&
-                  Config<256, 1, 4>::kMaxRows == decode_max_rows(256),
+template <int kHeadDim>
+constexpr bool widest_serves_max_rows() {
+  return RowConfigOf<kHeadDim, decode_max_rows(kHeadDim)>::kMaxRows == decode_max_rows(kHeadDim);
+}
+static_assert(widest_serves_max_rows<64>() && widest_serves_max_rows<128>() && widest_serves_max_rows<256>(),
               "capabilities.DECODE_MAX_ROWS are not the decode kernels' widest row configurations");
 
 // blocks per SM: the split planner never aims for more than a static kernel's launch bound keeps

@@ -32,7 +32,9 @@ DECODE_BLOCKS_PER_SM = {64: (4, 4, 2, 2), 128: (4, 3, 2, 2), 256: (2, 2, 2, 0)}
 """Thread blocks per SM the split planner aims for with the static decode kernel that serves up to 8,
 16, 32 and 64 query rows, per head dim (0: no such kernel).  Never more than the kernel's launch bound
 keeps resident (csrc Config::kMinBlocksPerSm, which the build checks against this table): a plan for
-more leaves a partial wave.  Why each count: ``planner.blocks_per_sm``."""
+more leaves a partial wave.  Why each count: ``planner.blocks_per_sm``.  Shared memory is not checked:
+D 128's four-row-tile kernels (74 and 82 KB a block) keep 2 resident on sm_90 and sm_100, but one on
+sm_80 at 33-64 rows and on sm_86, sm_89 and sm_120 (docs/decisions.md, Open)."""
 PACKED_MAX_HEADS = 4
 """Most kv heads one static decode block packs (plain decode, all packed rows in one row tile)."""
 FUSED_HEAD_DIMS = (64, 128)

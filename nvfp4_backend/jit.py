@@ -84,6 +84,9 @@ def limits_header() -> str:
         if set(getattr(c, name)) != set(c.SUPPORTED_HEAD_DIMS):
             raise ValueError(f"capabilities.{name} must cover SUPPORTED_HEAD_DIMS {c.SUPPORTED_HEAD_DIMS}, "
                              f"got {sorted(getattr(c, name))}")
+    if any(len(bands) != 4 for bands in c.DECODE_BLOCKS_PER_SM.values()):
+        raise ValueError(f"capabilities.DECODE_BLOCKS_PER_SM must give 4 counts (up to 8, 16, 32, 64 rows) per head dim, "
+                         f"got {c.DECODE_BLOCKS_PER_SM}")
     constants = {
         "kHeadDims": ("SUPPORTED_HEAD_DIMS", c.SUPPORTED_HEAD_DIMS),
         "kDecodeMaxRows": ("DECODE_MAX_ROWS", tuple(c.DECODE_MAX_ROWS[d] for d in c.SUPPORTED_HEAD_DIMS)),

@@ -72,6 +72,14 @@ def test_the_kernels_layout_checks_the_generated_limits(tmp_path, monkeypatch):
         assert f"capabilities.{name} " in bad.stderr, bad.stderr
 
 
+def test_the_limits_header_needs_a_blocks_per_sm_count_per_row_band(monkeypatch):
+    """csrc reads DECODE_BLOCKS_PER_SM as [head dim][4 row bands]: a head dim with another count of
+    bands would shift every later entry, so the header is refused."""
+    monkeypatch.setattr(capabilities, "DECODE_BLOCKS_PER_SM", capabilities.DECODE_BLOCKS_PER_SM | {64: (4, 4, 2)})
+    with pytest.raises(ValueError, match="DECODE_BLOCKS_PER_SM must give 4 counts"):
+        jit.limits_header()
+
+
 def test_the_limits_header_is_written_once_per_text(tmp_path, monkeypatch):
     """An unchanged header keeps its file (ninja rebuilds nothing); other limits are another JIT
     include folder (torch's JIT takes them for a new build) and another digest (a prebuilt library
