@@ -29,11 +29,14 @@ static_assert(widest_serves_max_rows<64>() && widest_serves_max_rows<128>() && w
               "capabilities.DECODE_MAX_ROWS are not the decode kernels' widest row configurations");
 
 // blocks per SM: the split planner never aims for more than a static kernel's launch bound keeps
-// resident (0: a bound left to the compiler).  kDecodeBlocksPerSm: [head dim][up to 8, 16, 32, 64 rows]
+// resident (0: a bound left to the compiler).  kDecodeBlocksPerSm: [head dim][row band]
+static_assert(same(kDecodeRowBands, {8, 16, 32, 64}), "capabilities.DECODE_ROW_BANDS are not launch_for_rows' row bands");
+constexpr int kBands = int(sizeof(kDecodeRowBands) / sizeof(kDecodeRowBands[0]));
 constexpr int planned_blocks_per_sm(int head_dim, int rows) {
-  const int band = rows <= 8 ? 0 : rows <= 16 ? 1 : rows <= 32 ? 2 : 3;
+  int band = 0;
+  while (band + 1 < kBands && rows > kDecodeRowBands[band]) ++band;
   for (int i = 0; i < int(sizeof(kHeadDims) / sizeof(kHeadDims[0])); ++i)
-    if (kHeadDims[i] == head_dim) return kDecodeBlocksPerSm[i * 4 + band];
+    if (kHeadDims[i] == head_dim) return kDecodeBlocksPerSm[i * kBands + band];
   return 0;
 }
 template <int kHeadDim, int kRows>

@@ -8,8 +8,8 @@ layout (its shared memory, its rows and heads per block) the build ``static_asse
 """
 from __future__ import annotations
 
+import bisect
 import logging
-import math
 import os
 
 import torch
@@ -28,9 +28,11 @@ MAX_SPLITS = 8192
 """Most KV splits per (request, kv head) the decode op accepts (the merge itself takes any count)."""
 ROW_TILE = 8
 """Query rows of one MMA row tile of the decode kernels."""
+DECODE_ROW_BANDS = (8, 16, 32, 64)
+"""The query rows each static decode kernel configuration serves up to (csrc launch_for_rows)."""
 DECODE_BLOCKS_PER_SM = {64: (4, 4, 2, 2), 128: (4, 3, 2, 2), 256: (2, 2, 2, 0)}
-"""Thread blocks per SM the split planner aims for with the static decode kernel that serves up to 8,
-16, 32 and 64 query rows, per head dim (0: no such kernel).  Never more than the kernel's launch bound
+"""Thread blocks per SM the split planner aims for with the static decode kernel of each of
+DECODE_ROW_BANDS, per head dim (0: no such kernel).  Never more than the kernel's launch bound
 keeps resident (csrc Config::kMinBlocksPerSm, which the build checks against this table): a plan for
 more leaves a partial wave.  Why each count: ``planner.blocks_per_sm``.  Shared memory is not checked:
 D 128's four-row-tile kernels (74 and 82 KB a block) keep 2 resident on sm_90 and sm_100, but one on
@@ -57,8 +59,7 @@ def decode_max_rows(head_dim: int) -> int:
 
 def decode_blocks_per_sm(rows: int, head_dim: int) -> int:
     """DECODE_BLOCKS_PER_SM's count for the static decode kernel of ``rows`` query rows."""
-    bands = DECODE_BLOCKS_PER_SM[head_dim]
-    return bands[min(len(bands) - 1, max(0, math.ceil(math.log2(max(rows, 1) / ROW_TILE))))]
+    return DECODE_BLOCKS_PER_SM[head_dim][min(bisect.bisect_left(DECODE_ROW_BANDS, rows), len(DECODE_ROW_BANDS) - 1)]
 
 
 def decode_supports(group_size: int, max_query_len: int, head_dim: int) -> bool:

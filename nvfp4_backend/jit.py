@@ -84,16 +84,17 @@ def limits_header() -> str:
         if set(getattr(c, name)) != set(c.SUPPORTED_HEAD_DIMS):
             raise ValueError(f"capabilities.{name} must cover SUPPORTED_HEAD_DIMS {c.SUPPORTED_HEAD_DIMS}, "
                              f"got {sorted(getattr(c, name))}")
-    if any(len(bands) != 4 for bands in c.DECODE_BLOCKS_PER_SM.values()):
-        raise ValueError(f"capabilities.DECODE_BLOCKS_PER_SM must give 4 counts (up to 8, 16, 32, 64 rows) per head dim, "
-                         f"got {c.DECODE_BLOCKS_PER_SM}")
+    if any(len(counts) != len(c.DECODE_ROW_BANDS) for counts in c.DECODE_BLOCKS_PER_SM.values()):
+        raise ValueError(f"capabilities.DECODE_BLOCKS_PER_SM must give {len(c.DECODE_ROW_BANDS)} counts (one per "
+                         f"DECODE_ROW_BANDS) per head dim, got {c.DECODE_BLOCKS_PER_SM}")
     constants = {
         "kHeadDims": ("SUPPORTED_HEAD_DIMS", c.SUPPORTED_HEAD_DIMS),
         "kDecodeMaxRows": ("DECODE_MAX_ROWS", tuple(c.DECODE_MAX_ROWS[d] for d in c.SUPPORTED_HEAD_DIMS)),
         "kPrefillRows": ("PREFILL_ROWS", tuple(c.PREFILL_ROWS[d] for d in c.SUPPORTED_HEAD_DIMS)),
         "kMaxSplits": ("MAX_SPLITS", c.MAX_SPLITS),
         "kRowTile": ("ROW_TILE", c.ROW_TILE),
-        # [head dim][up to 8, 16, 32, 64 rows], flattened
+        "kDecodeRowBands": ("DECODE_ROW_BANDS", c.DECODE_ROW_BANDS),
+        # [head dim][row band], flattened
         "kDecodeBlocksPerSm": ("DECODE_BLOCKS_PER_SM", tuple(n for d in c.SUPPORTED_HEAD_DIMS for n in c.DECODE_BLOCKS_PER_SM[d])),
         "kPackedMaxHeads": ("PACKED_MAX_HEADS", c.PACKED_MAX_HEADS),
         "kFusedHeadDims": ("FUSED_HEAD_DIMS", c.FUSED_HEAD_DIMS),

@@ -16,7 +16,6 @@ import torch
 
 if TYPE_CHECKING:
     from .dense_prefill import DensePrefillPlan
-from . import capabilities
 from .capabilities import DECODE_BLOCKS_PER_SM, ROW_TILE, decode_blocks_per_sm, decode_query_len as decode_query_limit, \
     fused_allowed, fused_fits, heads_per_block_allowed
 
@@ -45,7 +44,8 @@ class AttentionPlan:
 
 SPLIT_MIN_TOKENS = 256
 """Shortest KV range worth a thread block of its own."""
-SPLIT_BLOCKS_PER_SM = DECODE_BLOCKS_PER_SM[128][0]
+_ONE_ROW_TILE_BLOCKS_PER_SM = DECODE_BLOCKS_PER_SM[128][0]
+SPLIT_BLOCKS_PER_SM = _ONE_ROW_TILE_BLOCKS_PER_SM
 """Thread blocks per SM the split count aims for with up to 8 query rows per block (the kernel of
 one row tile, D <= 128).  The count is rounded down: the splits never spill a partial extra wave past
 that many blocks per SM.  Kernels that keep fewer blocks resident (more registers, or D 256's shared
@@ -58,12 +58,11 @@ def blocks_per_sm(rows: int, head_dim: int) -> int:
     planner's target and the heads-per-block picker's wave (``capabilities.DECODE_BLOCKS_PER_SM``,
     scaled where SPLIT_BLOCKS_PER_SM was set).  At D <= 128, 4 for one row tile and for two at D 64
     (their launch bound); 3 for two row tiles at D 128, whose kernel takes two stages per iteration in
-    some 160 registers (bound 3); 2 for 17-64 rows (the kernels of four row tiles, whose registers keep 2 on
-    every GPU and whose shared memory does on sm_90 and sm_100; D 64's 33-64 rows run four row warps of
-    two, bound by the compiler), and for D 256, whose shared memory keeps 2.  Planning for more blocks than stay resident leaves a
-    partial wave (the measurements: docs/decisions.md, planner)."""
-    planned = decode_blocks_per_sm(rows, head_dim) * SPLIT_BLOCKS_PER_SM // capabilities.DECODE_BLOCKS_PER_SM[128][0]
-    return max(1, planned)
+    some 160 registers (bound 3); 2 for 17-64 rows (the kernels of four row tiles, whose registers keep
+    2 on every GPU and whose shared memory does on sm_90 and sm_100; D 64's 33-64 rows run four row
+    warps of two, bound by the compiler), and for D 256, whose shared memory keeps 2.  Planning for
+    more blocks than stay resident leaves a partial wave (the measurements: docs/decisions.md, planner)."""
+    return max(1, decode_blocks_per_sm(rows, head_dim) * SPLIT_BLOCKS_PER_SM // _ONE_ROW_TILE_BLOCKS_PER_SM)
 
 
 def num_sms(device) -> int:

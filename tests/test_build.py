@@ -66,9 +66,11 @@ def test_the_kernels_layout_checks_the_generated_limits(tmp_path, monkeypatch):
     monkeypatch.setattr(capabilities, "PACKED_MAX_HEADS", 8)
     monkeypatch.setattr(capabilities, "FUSED_HEAD_DIMS", (64, 128, 256))
     monkeypatch.setattr(capabilities, "DECODE_BLOCKS_PER_SM", capabilities.DECODE_BLOCKS_PER_SM | {128: (4, 4, 2, 2)})
+    monkeypatch.setattr(capabilities, "DECODE_ROW_BANDS", (8, 16, 32, 128))
     bad = _compile_limits_check(nvcc, jit.write_limits_header(tmp_path / "bad"), tmp_path / "bad.o")
     assert bad.returncode != 0
-    for name in ("FUSED_SHARED_MEMORY", "DECODE_MAX_ROWS", "PACKED_MAX_HEADS", "FUSED_HEAD_DIMS", "DECODE_BLOCKS_PER_SM"):
+    for name in ("FUSED_SHARED_MEMORY", "DECODE_MAX_ROWS", "PACKED_MAX_HEADS", "FUSED_HEAD_DIMS", "DECODE_BLOCKS_PER_SM",
+                 "DECODE_ROW_BANDS"):
         assert f"capabilities.{name} " in bad.stderr, bad.stderr
 
 
